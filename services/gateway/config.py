@@ -1,0 +1,40 @@
+"""The gateway's one validated config (flags are read only in main.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000                  # HTTP (OpenAI API); 0 = a free port
+    grpc_port: int = 50051            # public gRPC API + health; 0 = a free port
+    tokenizer_addr: str = "127.0.0.1:50052"
+    engine_addr: str = "127.0.0.1:50053"
+    served_model_name: str = "smollm2-135m-instruct"
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_inflight_requests: int = 4096  # bounds every per-request map in the gateway
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 512
+    tokenizer_timeout_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {value}")
+        for name in ("tokenizer_addr", "engine_addr"):
+            value = getattr(self, name)
+            if not value or ":" not in value:
+                raise ValueError(f"--{name.replace('_', '-')} must be HOST:PORT, got {value!r}")
+        if not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be at least 1024")
+        if self.max_inflight_requests < 1:
+            raise ValueError("--max-inflight-requests must be at least 1")
+        if self.max_stop_strings < 0 or self.max_stop_string_chars < 1:
+            raise ValueError("stop-string limits must be positive")
+        if self.tokenizer_timeout_s <= 0:
+            raise ValueError("--tokenizer-timeout-s must be positive")

@@ -1,0 +1,78 @@
+"""One error class for the gateway, with its HTTP status, OpenAI type and gRPC code."""
+from __future__ import annotations
+
+import grpc
+
+from services.common import pb
+
+# kind -> (HTTP status, OpenAI error type, gRPC status)
+_KINDS: dict[str, tuple[int, str, grpc.StatusCode]] = {
+    "invalid_argument": (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    "not_found": (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
+    "too_large": (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    "unsupported_media": (415, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    "resource_exhausted": (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "cancelled": (499, "invalid_request_error", grpc.StatusCode.CANCELLED),
+    "internal": (500, "server_error", grpc.StatusCode.INTERNAL),
+    "unavailable": (503, "server_error", grpc.StatusCode.UNAVAILABLE),
+    "deadline": (504, "server_error", grpc.StatusCode.DEADLINE_EXCEEDED),
+}
+
+_FROM_ENGINE = {
+    pb.common.ERROR_CODE_INVALID_ARGUMENT: "invalid_argument",
+    pb.common.ERROR_CODE_RESOURCE_EXHAUSTED: "resource_exhausted",
+    pb.common.ERROR_CODE_UNAVAILABLE: "unavailable",
+    pb.common.ERROR_CODE_INTERNAL: "internal",
+    pb.common.ERROR_CODE_DEADLINE_EXCEEDED: "deadline",
+    pb.common.ERROR_CODE_NOT_FOUND: "not_found",
+    pb.common.ERROR_CODE_CANCELLED: "cancelled",
+}
+
+_FROM_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "unavailable",
+}
+
+
+class ApiError(Exception):
+    """A failure of one request, rendered as an OpenAI error body or a gRPC status."""
+
+    def __init__(self, kind: str, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"unknown error kind {kind!r}")
+        super().__init__(message)
+        self.kind, self.message, self.param, self.code = kind, message, param, code
+
+    @property
+    def http_status(self) -> int:
+        return _KINDS[self.kind][0]
+
+    @property
+    def grpc_status(self) -> grpc.StatusCode:
+        return _KINDS[self.kind][2]
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": _KINDS[self.kind][1],
+                          "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_engine(cls, error: "pb.common.Error") -> "ApiError":
+        kind = _FROM_ENGINE.get(error.code, "internal")
+        return cls(kind, error.message or "the engine failed the request")
+
+    @classmethod
+    def from_grpc(cls, err: grpc.aio.AioRpcError, who: str) -> "ApiError":
+        kind = _FROM_GRPC.get(err.code(), "internal")
+        detail = err.details() or err.code().name
+        if kind in ("unavailable", "deadline", "internal"):
+            return cls(kind, f"{who} unavailable: {detail}" if kind == "unavailable" else f"{who}: {detail}")
+        return cls(kind, detail)
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError("invalid_argument", message, param=param)

@@ -1,0 +1,60 @@
+"""One request's scheduling state: token counts, blocks and stop conditions."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason:
+    STOP = "stop"          # EOS or a stop token id
+    LENGTH = "length"      # max_tokens or the context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: Any = None                      # opaque SamplingParams, forwarded to the worker
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival_seq: int = 0                      # FCFS order, set by the scheduler
+    trace: Any = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0              # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    num_blocks_sent: int = 0                  # block ids the worker already knows
+    worker_has_state: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def check_stop(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
+        """Finish reason after `token_id` was appended, or None to keep going."""
+        n_out = len(self.output_token_ids)
+        if n_out >= self.min_tokens:
+            if not self.ignore_eos and token_id in eos_token_ids:
+                return FinishReason.STOP
+            if token_id in self.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,76 @@
+"""Boundary value types of the scheduler core (converted to/from protobuf by the adapter)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NewRequestPlan:
+    """A request the worker has no state for: everything it needs, sent once."""
+
+    request_id: str
+    token_ids: list[int]          # prompt + outputs so far (a resumed request has outputs)
+    block_ids: list[int]
+    sampling: Any                 # opaque to the core (a SamplingParams message)
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_output_tokens: int
+    trace: Any = None
+
+
+@dataclass(frozen=True)
+class CachedRequestPlan:
+    """A request the worker already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestPlan] = field(default_factory=list)
+    cached_requests: list[CachedRequestPlan] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return (sum(r.num_scheduled_tokens for r in self.new_requests)
+                + sum(r.num_scheduled_tokens for r in self.cached_requests))
+
+    @property
+    def scheduled_ids(self) -> list[str]:
+        return [r.request_id for r in self.new_requests] + [r.request_id for r in self.cached_requests]
+
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.cached_requests or self.finished_ids)
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    request_id: str
+    token_ids: list[int]
+    logprobs: Any = None          # opaque, passed through to the output
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled: list[SampledTokens] = field(default_factory=list)
+    error: str | None = None      # a failed step fails its requests, not the engine
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None   # None while running; see request.FinishReason
+    error_code: str | None = None      # "invalid_argument", "unavailable", "internal"
+    error_message: str = ""
+    logprobs: list[Any] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    stop_token_id: int = -1

@@ -1,0 +1,196 @@
+"""The scheduler's I/O adapter: EngineStream (gRPC) to gateways, StepPlan/StepResult (ZMQ) to the worker.
+
+One engine loop task drives the pure core: apply queued submits/aborts, schedule, send the
+plan, await the result, update, and send each stream one OutputBatch for the step."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.common import pb
+from services.scheduler import wire
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.core import FinishReason, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.worker_client import WorkerClient, WorkerUnavailable
+
+log = logging.getLogger("meshllm.scheduler")
+
+
+@dataclass
+class _Stream:
+    """One gateway connection: its outgoing queue and the requests it owns."""
+
+    queue: asyncio.Queue
+    request_ids: set[str]
+
+
+class Engine:
+    def __init__(self, config: SchedulerServiceConfig, worker: WorkerClient, health) -> None:
+        self.config = config
+        self.worker = worker
+        self.health = health
+        self.served_model_name = config.served_model_name
+        self.core: Scheduler | None = None
+        self.info: pb.step.WorkerInfo | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._owner: dict[str, int] = {}          # request id -> stream key
+        self._inbox: list[tuple[int, pb.engine.EngineRequest]] = []
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.steps = 0
+
+    # ---- worker link ------------------------------------------------------------------------
+    async def connect_worker(self) -> None:
+        """Say hello until the worker answers, then build the core over its KV capacity."""
+        while not self._stopping:
+            try:
+                info = await self.worker.hello(self.config.block_size)
+            except WorkerUnavailable as exc:
+                log.info("waiting for worker: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            max_len = min(self.config.max_model_len or info.max_model_len, info.max_model_len)
+            cfg = SchedulerConfig(max_model_len=max_len, max_num_seqs=self.config.max_num_seqs,
+                                  max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                  block_size=self.config.block_size, max_waiting=self.config.max_waiting)
+            self.info = info
+            self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
+            self.health.set_ready(True)
+            log.info("worker ready: %d KV blocks of %d tokens, max_model_len %d, device %s",
+                     info.num_kv_blocks, info.block_size, max_len, info.device)
+            return
+
+    # ---- streams ------------------------------------------------------------------------
+    def open_stream(self) -> tuple[int, _Stream]:
+        key = id(object()) ^ time.monotonic_ns()
+        stream = _Stream(asyncio.Queue(), set())
+        self._streams[key] = stream
+        return key, stream
+
+    def close_stream(self, key: int) -> None:
+        stream = self._streams.pop(key, None)
+        if stream and stream.request_ids:
+            # The gateway went away: nobody will read these outputs.
+            self._inbox.append((key, pb.engine.EngineRequest(abort=pb.engine.AbortBatch(
+                request_ids=list(stream.request_ids)))))
+            self._wake.set()
+
+    def submit(self, key: int, msg: pb.engine.EngineRequest) -> None:
+        self._inbox.append((key, msg))
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for key, msg in inbox:
+            if msg.HasField("submit"):
+                for sub in msg.submit.requests:
+                    stream = self._streams.get(key)
+                    if stream is None:
+                        continue
+                    self._owner[sub.request_id] = key
+                    stream.request_ids.add(sub.request_id)
+                    self.core.add_request(wire.request_from_submit(sub))
+            elif msg.HasField("abort"):
+                self.core.abort([rid for rid in msg.abort.request_ids if rid in self.core.requests])
+
+    def _dispatch(self, step_id: int, outputs: list[RequestOutput]) -> None:
+        per_stream: dict[int, list[RequestOutput]] = {}
+        for out in outputs:
+            key = self._owner.get(out.request_id)
+            if out.finish_reason is not None:
+                self._owner.pop(out.request_id, None)
+                stream = self._streams.get(key)
+                if stream is not None:
+                    stream.request_ids.discard(out.request_id)
+            if key in self._streams:
+                per_stream.setdefault(key, []).append(out)
+        for key, outs in per_stream.items():
+            self._streams[key].queue.put_nowait(wire.outputs_to_proto(step_id, outs))
+
+    # ---- the loop -----------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.connect_worker()
+        while not self._stopping:
+            if not self._inbox and not self.core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._drain_inbox()
+            plan = self.core.schedule()
+            if plan.is_empty():
+                self._dispatch(plan.step_id, self.core.take_pending_outputs())
+                if not self._inbox:
+                    # Nothing fits right now (e.g. all blocks taken); wait for a change.
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = await self.worker.step(wire.plan_to_proto(plan))
+            except WorkerUnavailable as exc:
+                log.error("worker lost: %s", exc)
+                self.health.set_ready(False, str(exc))
+                self._dispatch(plan.step_id, self.core.fail_all("unavailable", f"engine unavailable: {exc}"))
+                await self.connect_worker()
+                continue
+            outputs = self.core.update(plan, wire.result_from_proto(result))
+            self.steps += 1
+            self._dispatch(plan.step_id, outputs)
+            log.debug("step %d: %d reqs, %d tokens, %.1f ms", plan.step_id, len(plan.scheduled_ids),
+                      plan.num_scheduled_tokens, (time.perf_counter() - t0) * 1e3)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+
+class EngineServicer(pb.engine_grpc.EngineServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def EngineStream(self, request_iterator, context):
+        engine = self.engine
+        if engine.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready")
+        key, stream = engine.open_stream()
+
+        async def pump() -> None:
+            async for msg in request_iterator:
+                engine.submit(key, msg)
+
+        reader = asyncio.create_task(pump())
+        try:
+            while True:
+                get = asyncio.create_task(stream.queue.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield get.result()
+                else:
+                    get.cancel()
+                    return  # the gateway closed its side
+        finally:
+            reader.cancel()
+            engine.close_stream(key)
+
+    async def GetEngineInfo(self, request, context):
+        engine = self.engine
+        if engine.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready")
+        cfg = engine.core.config
+        return pb.engine.EngineInfo(model_name=engine.served_model_name or engine.info.model_name,
+                                    max_model_len=cfg.max_model_len, vocab_size=engine.info.vocab_size,
+                                    block_size=cfg.block_size, num_kv_blocks=engine.core.pool.num_blocks,
+                                    max_num_seqs=cfg.max_num_seqs,
+                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                    eos_token_ids=list(engine.info.eos_token_ids))
+
+    async def GetLoad(self, request, context):
+        core = self.engine.core
+        if core is None:
+            return pb.engine.LoadInfo()
+        return pb.engine.LoadInfo(num_running=core.num_running, num_waiting=core.num_waiting,
+                                  kv_usage=core.pool.usage, steps=self.engine.steps)

@@ -1,0 +1,73 @@
+"""Conversion between protobuf messages and the scheduler core's value types."""
+from __future__ import annotations
+
+from services.common import pb
+from services.scheduler.core import Request, RequestOutput, SampledTokens, StepPlan, StepResult
+
+_FINISH = {
+    None: pb.common.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.common.FINISH_REASON_STOP,
+    "length": pb.common.FINISH_REASON_LENGTH,
+    "abort": pb.common.FINISH_REASON_ABORT,
+    "error": pb.common.FINISH_REASON_ERROR,
+}
+_ERROR = {
+    "invalid_argument": pb.common.ERROR_CODE_INVALID_ARGUMENT,
+    "resource_exhausted": pb.common.ERROR_CODE_RESOURCE_EXHAUSTED,
+    "unavailable": pb.common.ERROR_CODE_UNAVAILABLE,
+    "internal": pb.common.ERROR_CODE_INTERNAL,
+}
+
+
+def request_from_submit(msg: pb.engine.EngineSubmit) -> Request:
+    sp = msg.sampling
+    return Request(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        max_tokens=sp.max_tokens,
+        sampling=sp,
+        min_tokens=sp.min_tokens,
+        stop_token_ids=frozenset(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        priority=msg.priority,
+        trace=msg.trace if msg.HasField("trace") else None,
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> pb.step.WorkerRequest:
+    msg = pb.step.StepPlan(step_id=plan.step_id, finished_ids=plan.finished_ids)
+    for r in plan.new_requests:
+        nr = msg.new_requests.add(request_id=r.request_id, token_ids=r.token_ids, block_ids=r.block_ids,
+                                  num_computed_tokens=r.num_computed_tokens,
+                                  num_scheduled_tokens=r.num_scheduled_tokens,
+                                  num_output_tokens=r.num_output_tokens)
+        if r.sampling is not None:
+            nr.sampling.CopyFrom(r.sampling)
+        if r.trace is not None:
+            nr.trace.CopyFrom(r.trace)
+    for r in plan.cached_requests:
+        msg.cached_requests.add(request_id=r.request_id, new_block_ids=r.new_block_ids,
+                                num_computed_tokens=r.num_computed_tokens,
+                                num_scheduled_tokens=r.num_scheduled_tokens)
+    return pb.step.WorkerRequest(plan=msg)
+
+
+def result_from_proto(msg: pb.step.StepResult) -> StepResult:
+    error = (msg.error.message or "worker error") if msg.HasField("error") else None
+    return StepResult(step_id=msg.step_id, error=error,
+                      sampled=[SampledTokens(o.request_id, list(o.token_ids), list(o.logprobs))
+                               for o in msg.outputs])
+
+
+def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.OutputBatch:
+    batch = pb.engine.OutputBatch(step_id=step_id)
+    for o in outputs:
+        ro = batch.outputs.add(request_id=o.request_id, new_token_ids=o.new_token_ids,
+                               finish_reason=_FINISH[o.finish_reason], num_prompt_tokens=o.num_prompt_tokens,
+                               num_cached_tokens=o.num_cached_tokens, stop_token_id=o.stop_token_id)
+        if o.logprobs:
+            ro.logprobs.extend(o.logprobs)
+        if o.error_code is not None:
+            ro.error.code = _ERROR.get(o.error_code, pb.common.ERROR_CODE_INTERNAL)
+            ro.error.message = o.error_message
+    return batch

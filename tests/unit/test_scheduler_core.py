@@ -1,0 +1,229 @@
+"""The scheduler core driven on the CPU with handmade step results (no worker, no sockets)."""
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.core import FinishReason, Request, Scheduler, SchedulerConfig, SampledTokens, StepResult
+
+VOCAB = 1000
+EOS = 999
+
+
+def next_token(history: list[int]) -> int:
+    """A deterministic stand-in for a model: the next token depends on the whole history."""
+    h = 7
+    for t in history:
+        h = (h * 31 + t) % 998_244_353
+    return h % (VOCAB - 1)  # never EOS unless a test forces it
+
+
+class FakeWorker:
+    """Replays plans like the real worker: keeps token lists per request from the diffs."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.forced: dict[str, list[int]] = {}
+
+    def run(self, plan) -> StepResult:
+        for rid in plan.finished_ids:
+            self.tokens.pop(rid, None)
+            self.blocks.pop(rid, None)
+        sampled = []
+        for r in plan.new_requests:
+            assert r.request_id not in self.tokens, "a new request the worker already holds"
+            self.tokens[r.request_id] = list(r.token_ids)
+            self.blocks[r.request_id] = list(r.block_ids)
+        for r in plan.cached_requests:
+            self.blocks[r.request_id].extend(r.new_block_ids)
+        for r in [*plan.new_requests, *plan.cached_requests]:
+            toks = self.tokens[r.request_id]
+            end = r.num_computed_tokens + r.num_scheduled_tokens
+            assert end <= len(toks)
+            assert len(self.blocks[r.request_id]) * 4 >= end, "KV blocks do not cover the scheduled tokens"
+            if end == len(toks):
+                forced = self.forced.get(r.request_id)
+                tok = forced.pop(0) if forced else next_token(toks)
+                toks.append(tok)
+                sampled.append(SampledTokens(r.request_id, [tok]))
+            else:
+                sampled.append(SampledTokens(r.request_id, []))
+        return StepResult(plan.step_id, sampled)
+
+
+def make(num_blocks=64, **kw) -> Scheduler:
+    cfg = SchedulerConfig(max_model_len=kw.pop("max_model_len", 256), block_size=4, **kw)
+    return Scheduler(cfg, num_blocks, frozenset({EOS}), VOCAB)
+
+
+def run_to_completion(s: Scheduler, worker: FakeWorker, max_steps=10_000):
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    plans = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            break
+        plan = s.schedule()
+        plans.append(plan)
+        for out in s.update(plan, worker.run(plan)):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                reasons[out.request_id] = out.finish_reason
+    return outputs, reasons, plans
+
+
+def req(rid, n_prompt, max_tokens, **kw) -> Request:
+    base = sum(map(ord, rid))
+    return Request(rid, [(base + i) % 900 for i in range(n_prompt)], max_tokens, **kw)
+
+
+def solo_output(n_prompt, max_tokens, rid) -> list[int]:
+    s, w = make(), FakeWorker()
+    s.add_request(req(rid, n_prompt, max_tokens))
+    return run_to_completion(s, w)[0][rid]
+
+
+def test_requests_stop_at_max_tokens_and_free_their_blocks():
+    s, w = make(), FakeWorker()
+    s.add_request(req("a", 10, 5))
+    s.add_request(req("b", 3, 8))
+    outputs, reasons, _ = run_to_completion(s, w)
+    assert len(outputs["a"]) == 5 and len(outputs["b"]) == 8
+    assert reasons == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+    assert s.pool.num_free == s.pool.num_blocks
+    assert not s.requests
+
+
+def test_batched_requests_produce_their_solo_outputs():
+    s, w = make(max_num_batched_tokens=16, max_num_seqs=4), FakeWorker()
+    specs = {f"r{i}": (3 + 5 * i, 4 + i) for i in range(8)}
+    for rid, (n, m) in specs.items():
+        s.add_request(req(rid, n, m))
+    outputs, _, plans = run_to_completion(s, w)
+    for rid, (n, m) in specs.items():
+        assert outputs[rid] == solo_output(n, m, rid)
+    assert max(len(p.scheduled_ids) for p in plans) <= 4
+    assert max(p.num_scheduled_tokens for p in plans) <= 16
+
+
+def test_long_prompt_is_chunked_and_does_not_stall_running_decodes():
+    s, w = make(max_num_batched_tokens=8), FakeWorker()
+    s.add_request(req("short", 2, 20))
+    plan = s.schedule()
+    s.update(plan, w.run(plan))                 # "short" is now decoding
+    s.add_request(req("long", 30, 2))
+    decode_steps_during_prefill = 0
+    while "long" in s.requests and s.requests["long"].num_computed_tokens < 30:
+        plan = s.schedule()
+        ids = plan.scheduled_ids
+        assert "short" in ids, "a running decode was stalled by a long prompt"
+        assert plan.num_scheduled_tokens <= 8
+        decode_steps_during_prefill += 1
+        s.update(plan, w.run(plan))
+    assert decode_steps_during_prefill >= 30 // 7
+
+
+def test_plans_are_diffs_new_requests_once_then_only_new_blocks():
+    s, w = make(), FakeWorker()
+    s.add_request(req("a", 6, 10))
+    first = s.schedule()
+    assert [r.request_id for r in first.new_requests] == ["a"]
+    assert first.new_requests[0].block_ids and not first.cached_requests
+    s.update(first, w.run(first))
+    seen_blocks = list(first.new_requests[0].block_ids)
+    for _ in range(9):
+        plan = s.schedule()
+        assert not plan.new_requests and [r.request_id for r in plan.cached_requests] == ["a"]
+        seen_blocks += plan.cached_requests[0].new_block_ids
+        s.update(plan, w.run(plan))
+    assert seen_blocks == w.blocks.get("a", seen_blocks)
+    final = s.schedule()
+    assert final.finished_ids == ["a"]
+
+
+def test_eos_stops_unless_ignore_eos_and_respects_min_tokens():
+    for kw, expect_len, reason in [({}, 2, FinishReason.STOP), ({"ignore_eos": True}, 6, FinishReason.LENGTH),
+                                   ({"min_tokens": 5}, 6, FinishReason.LENGTH), ({"min_tokens": 4}, 4, FinishReason.STOP)]:
+        s, w = make(), FakeWorker()
+        s.add_request(req("a", 3, 6, **kw))
+        w.forced["a"] = [5, EOS, 7, EOS, 8, 9]
+        outputs, reasons, _ = run_to_completion(s, w)
+        assert len(outputs["a"]) == expect_len, kw
+        assert reasons["a"] == reason, kw
+
+
+def test_stop_token_ids_finish_with_stop():
+    s, w = make(), FakeWorker()
+    s.add_request(req("a", 3, 10, stop_token_ids=frozenset({42})))
+    w.forced["a"] = [1, 2, 42, 3]
+    outputs, reasons, _ = run_to_completion(s, w)
+    assert outputs["a"] == [1, 2, 42] and reasons["a"] == FinishReason.STOP
+
+
+def test_abort_frees_blocks_and_tells_the_worker():
+    s, w = make(), FakeWorker()
+    s.add_request(req("a", 9, 50))
+    s.add_request(req("b", 9, 50))
+    plan = s.schedule()
+    s.update(plan, w.run(plan))
+    s.abort(["a", "unknown"])
+    plan = s.schedule()
+    assert "a" in plan.finished_ids and "a" not in plan.scheduled_ids
+    outs = s.update(plan, w.run(plan))
+    assert any(o.request_id == "a" and o.finish_reason == FinishReason.ABORT for o in outs)
+    assert "a" not in s.requests and "a" not in w.tokens
+    s.abort(["b"])
+    s.update(s.schedule(), StepResult(0))
+    assert s.pool.num_free == s.pool.num_blocks
+
+
+def test_preempted_request_resumes_with_same_output():
+    # 12 blocks of 4 tokens: three requests growing to 20 tokens each cannot all fit.
+    s, w = make(num_blocks=12), FakeWorker()
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, 8, 12))
+    outputs, reasons, plans = run_to_completion(s, w)
+    assert s.num_preemptions > 0
+    resumed = [r for p in plans for r in p.new_requests if r.num_output_tokens > 0]
+    assert resumed, "a preempted request must come back as a new request with its outputs"
+    for rid in ("a", "b", "c"):
+        assert outputs[rid] == solo_output(8, 12, rid)
+        assert reasons[rid] == FinishReason.LENGTH
+    assert s.pool.num_free == 12
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,msg", [
+    (0, 5, "empty"), (256, 5, "context length"), (300, 5, "context length"), (10, 10_000, "KV cache"),
+])
+def test_invalid_requests_are_rejected_with_a_clear_error(prompt_len, max_tokens, msg):
+    s = make(num_blocks=8, max_model_len=4096)
+    s.config.max_model_len = 256 if prompt_len >= 256 else 4096
+    err = s.add_request(req("x", prompt_len, max_tokens))
+    assert err is not None and msg in err
+    [out] = s.take_pending_outputs()
+    assert out.finish_reason == FinishReason.ERROR and out.error_code == "invalid_argument"
+    assert not s.requests
+
+
+def test_out_of_vocab_token_is_rejected():
+    s = make()
+    err = s.add_request(Request("x", [1, VOCAB + 5], 3))
+    assert err is not None and "out of range" in err
+
+
+def test_max_tokens_zero_means_up_to_the_context_length():
+    s, w = make(max_model_len=20), FakeWorker()
+    s.add_request(req("a", 5, 0, ignore_eos=True))
+    outputs, reasons, _ = run_to_completion(s, w)
+    assert len(outputs["a"]) == 15 and reasons["a"] == FinishReason.LENGTH
+
+
+def test_worker_error_fails_the_step_requests_not_the_engine():
+    s, w = make(), FakeWorker()
+    s.add_request(req("a", 4, 5))
+    plan = s.schedule()
+    outs = s.update(plan, StepResult(plan.step_id, error="boom"))
+    assert outs[0].finish_reason == FinishReason.ERROR and "boom" in outs[0].error_message
+    s.add_request(req("b", 4, 3))
+    outputs, reasons, _ = run_to_completion(s, w)
+    assert len(outputs["b"]) == 3
