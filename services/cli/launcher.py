@@ -1,0 +1,158 @@
+"""Start the whole mesh (worker, tokenizer, scheduler, gateway) as child processes and
+stop every one of them on Ctrl-C / SIGTERM, or if the launcher itself is killed."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from services.common.procs import die_with_parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class MeshConfig:
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    served_model_name: str = "smollm2-135m-instruct"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0
+    chat_template: str | None = None
+    ready_timeout_s: float = 300.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            raise ValueError(f"{self.model_dir!r} is not a model directory (no config.json)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+
+
+class Mesh:
+    """The four services as processes. `start()` returns once every one is ready."""
+
+    def __init__(self, cfg: MeshConfig) -> None:
+        self.cfg = cfg
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._tmp = tempfile.mkdtemp(prefix="meshllm-")
+        self.tokenizer_port = free_port()
+        self.scheduler_port = free_port()
+        self.worker_grpc_port = free_port()
+        self.worker_addr = f"ipc://{self._tmp}/worker.ipc"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = {**os.environ, **self.cfg.extra_env, "MESHLLM_PARENT_PID": str(os.getpid()),
+               "PYTHONUNBUFFERED": "1"}
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], env=env,
+                                            preexec_fn=die_with_parent, stdin=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        c, h = self.cfg, self.cfg.host
+        engine_args = ["--max-model-len", str(c.max_model_len)]
+        self._spawn("worker", ["--model", c.model_dir, "--zmq-addr", self.worker_addr, "--host", "127.0.0.1",
+                               "--grpc-port", str(self.worker_grpc_port), "--device", c.device, "--dtype", c.dtype,
+                               "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
+                               "--served-model-name", c.served_model_name, *engine_args])
+        tok_args = ["--model", c.model_dir, "--host", "127.0.0.1", "--port", str(self.tokenizer_port)]
+        if c.chat_template:
+            tok_args += ["--chat-template", c.chat_template]
+        self._spawn("tokenizer", tok_args)
+        self._spawn("scheduler", ["--worker-addr", self.worker_addr, "--host", "127.0.0.1",
+                                  "--port", str(self.scheduler_port), "--max-num-seqs", str(c.max_num_seqs),
+                                  "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+                                  "--block-size", str(c.block_size), "--served-model-name", c.served_model_name,
+                                  *engine_args])
+        self._spawn("gateway", ["--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
+                                "--tokenizer-addr", f"127.0.0.1:{self.tokenizer_port}",
+                                "--engine-addr", f"127.0.0.1:{self.scheduler_port}",
+                                "--served-model-name", c.served_model_name])
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        import asyncio
+
+        from services.common.grpc_server import wait_ready
+        checks = [("worker", f"127.0.0.1:{self.worker_grpc_port}"), ("tokenizer", f"127.0.0.1:{self.tokenizer_port}"),
+                  ("scheduler", f"127.0.0.1:{self.scheduler_port}"), ("gateway", f"{self.cfg.host}:{self.cfg.grpc_port}")]
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+
+        async def wait_all() -> None:
+            for name, addr in checks:
+                while True:
+                    self.check_alive()
+                    try:
+                        await wait_ready(addr, name, timeout_s=2.0)
+                        break
+                    except TimeoutError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"{name} not ready after {self.cfg.ready_timeout_s:.0f}s") from None
+
+        asyncio.run(wait_all())
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"service {name} exited with code {p.returncode}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM everyone (gateway first, so no new work arrives), then SIGKILL stragglers."""
+        for name in ("gateway", "scheduler", "tokenizer", "worker"):
+            p = self.procs.get(name)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        import shutil
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def run_mesh(cfg: MeshConfig) -> int:
+    """Start the mesh, print where it listens, and supervise until a signal or a death."""
+    mesh = Mesh(cfg)
+    stopping = {"sig": None}
+
+    def on_signal(signum, frame):
+        stopping["sig"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        mesh.start()
+        print(f"meshllm is up: OpenAI API http://{cfg.host}:{cfg.port}/v1 (health: /health), "
+              f"gRPC {cfg.host}:{cfg.grpc_port}, model {cfg.served_model_name!r}. Ctrl-C stops it.", flush=True)
+        while True:
+            mesh.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("meshllm: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"meshllm: {exc}; stopping", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        mesh.stop()

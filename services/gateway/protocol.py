@@ -1,0 +1,240 @@
+"""OpenAI request bodies (pydantic) and their conversion to the engine's SamplingParams.
+
+Type errors become a readable 400 (never FastAPI's 422); unknown fields are ignored like
+OpenAI does. Range checks live in sampling.py so the gRPC API shares them."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from services.common import pb
+from services.gateway.errors import ApiError, invalid
+
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None          # extra body (vLLM)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Any = None                  # str | list[str], checked below for a clear message
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_is_str_or_list(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("must be a string or a list of strings")
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_int64(cls, v: int | None) -> int | None:
+        if v is not None and not -(2 ** 63) <= v < 2 ** 63:
+            raise ValueError("must fit in a signed 64-bit integer")
+        return v
+
+    def _effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def check_unsupported(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise invalid(f"n={self.n} is not supported yet: only n=1 is", "n")
+        if self.best_of is not None and self.best_of != 1:
+            raise invalid(f"best_of={self.best_of} is not supported yet: only 1 is", "best_of")
+
+    def to_sampling(self) -> "pb.common.SamplingParams":
+        """The engine's SamplingParams; max_tokens 0 = not given (filled in later)."""
+        self.check_unsupported()
+        max_tokens = self._effective_max_tokens()
+        if max_tokens is not None and max_tokens <= 0:
+            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens is not None and max_tokens >= 2 ** 31:
+            raise invalid(f"max_tokens is too large: {max_tokens}", "max_tokens")
+        if self.top_p is not None and self.top_p <= 0:
+            raise invalid(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise invalid(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                          "repetition_penalty")
+        top_k = self.top_k if self.top_k is not None else 0
+        if top_k < -1 or top_k >= 2 ** 31:
+            raise invalid(f"top_k must be -1 (disabled) or at least 1, got {top_k}", "top_k")
+        if not 0 <= self.min_tokens < 2 ** 31:
+            raise invalid(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        sp = pb.common.SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 0.0,
+            max_tokens=max_tokens or 0,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            stop=self.stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        if self.seed is not None:
+            sp.seed = self.seed
+        for tid in self.stop_token_ids or []:
+            if not 0 <= tid < 2 ** 31:
+                raise invalid(f"stop_token_ids contains an invalid id {tid}", "stop_token_ids")
+            sp.stop_token_ids.append(tid)
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not 0 <= tid < 2 ** 31:
+                raise invalid(f"logit_bias has an invalid token id {tid}", "logit_bias")
+            sp.logit_bias[tid] = bias
+        return sp
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any  # required; str | list[int], checked below for a clear message
+    echo: bool | None = False
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> str | list[int]:
+        """One prompt: a string or a list of token ids (a one-element batch is unwrapped)."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError("a batch of several prompts is not supported yet: "
+                             "send one prompt per request")
+        raise ValueError("must be a string or a list of token ids")
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise invalid("echo is not supported yet", "echo")
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if self.logprobs is not None:
+            raise invalid("logprobs are not supported yet by the HTTP API", "logprobs")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise invalid(f"messages[{index}].content: only text parts are supported, "
+                              f"got a part of type {part.type!r}", "messages")
+            parts.append(part.text)
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    response_format: dict[str, Any] | None = None
+
+    def _effective_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise invalid("logprobs are not supported yet by the HTTP API", "logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid("response_format other than text is not supported yet",
+                          "response_format")
+        if not self.messages:
+            raise invalid("messages must contain at least one message", "messages")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise invalid("add_generation_prompt and continue_final_message cannot both be "
+                          "true", "continue_final_message")
+
+    def to_chat_messages(self) -> list["pb.common.ChatMessage"]:
+        return [pb.common.ChatMessage(role=m.role, content=m.text(i), name=m.name or "")
+                for i, m in enumerate(self.messages)]
+
+
+def describe_validation_error(err: ValidationError) -> ApiError:
+    """A pydantic error as one readable 400 (the first few problems, with field paths)."""
+    problems, param = [], None
+    for e in err.errors(include_url=False)[:3]:
+        loc = [str(p) for p in e.get("loc", ())]
+        if e.get("type") in ("json_invalid", "json_type"):
+            return invalid(f"the request body is not valid JSON: {e.get('msg')}")
+        if e.get("type") == "model_type" and not loc:
+            return invalid("the request body must be a JSON object")
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        if param is None and loc:
+            param = loc[0]
+        path = ".".join(loc) if loc else "body"
+        problems.append(f"{path}: {msg}")
+    return invalid("; ".join(problems) or "invalid request", param)
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        raise describe_validation_error(err) from None

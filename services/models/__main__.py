@@ -1,0 +1,3 @@
+from .prepare import main
+
+raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Reference paged attention in plain torch (the oracle a Triton kernel will be checked against).
+
+KV cache of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
+Token at absolute position `pos` of a request lives at
+`slot = block_table[pos // block_size] * block_size + pos % block_size`.
+
+A step is a flattened varlen batch of T query tokens. The runner orders sequences so the
+ones with a single query token (decodes, and 1-token prompt chunks) come first: they are
+attended in one batched SDPA call over gathered, padded K/V. Longer chunks (prefill, possibly
+starting after a cached prefix) are attended one sequence at a time, causal within the chunk.
+Metadata is built once per step and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSchedule:
+    """One scheduled sequence as the attention sees it."""
+
+    block_ids: list[int]
+    num_computed_tokens: int   # tokens whose K/V is already in the cache
+    num_scheduled_tokens: int  # query tokens run this step
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int                  # row of the first query token in the flattened batch
+    q_end: int
+    block_ids: torch.Tensor       # [num_blocks_needed] long
+    context_len: int
+    mask: torch.Tensor | None     # [q_len, context_len] bool (True = attend); None = plain causal
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor                 # [T] long: cache slot of each query token
+    num_decode: int = 0                        # rows [0, num_decode) are single-token sequences
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor | None = None    # [B, 1, 1, L] bool, L = max context of the group
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def build_attn_metadata(seqs: list[SeqSchedule], block_size: int, device: torch.device,
+                        sliding_window: int | None = None) -> AttnMetadata:
+    """Metadata for sequences laid out back to back; single-token ones must come first."""
+    slots: list[torch.Tensor] = []
+    num_decode = 0
+    while num_decode < len(seqs) and seqs[num_decode].num_scheduled_tokens == 1:
+        num_decode += 1
+    if any(s.num_scheduled_tokens == 1 for s in seqs[num_decode:]):
+        raise ValueError("single-token sequences must be ordered first")
+    for s in seqs:
+        pos = torch.arange(s.num_computed_tokens, s.context_len)
+        table = torch.tensor(s.block_ids, dtype=torch.long)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    meta = AttnMetadata(slot_mapping=torch.cat(slots).to(device) if slots else
+                        torch.empty(0, dtype=torch.long, device=device), num_decode=num_decode)
+    if num_decode:
+        dec = seqs[:num_decode]
+        ctx = torch.tensor([s.context_len for s in dec])
+        max_ctx = int(ctx.max())
+        max_blocks = -(-max_ctx // block_size)
+        tables = torch.zeros(num_decode, max_blocks, dtype=torch.long)
+        for i, s in enumerate(dec):
+            n = -(-s.context_len // block_size)
+            tables[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.long)
+        key_pos = torch.arange(max_ctx)
+        mask = key_pos[None, :] < ctx[:, None]                      # [B, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > (ctx[:, None] - 1 - sliding_window)
+        meta.decode_block_tables = tables.to(device)
+        meta.decode_mask = mask[:, None, None, :].to(device)
+    start = num_decode
+    for s in seqs[num_decode:]:
+        q_len, ctx = s.num_scheduled_tokens, s.context_len
+        n = -(-ctx // block_size)
+        mask = None
+        window_bites = sliding_window is not None and ctx > sliding_window
+        if s.num_computed_tokens > 0 or window_bites:
+            q_pos = torch.arange(s.num_computed_tokens, ctx)[:, None]   # [q_len, 1]
+            k_pos = torch.arange(ctx)[None, :]                          # [1, ctx]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            mask = mask.to(device)
+        meta.prefills.append(PrefillSeq(
+            q_start=start, q_end=start + q_len,
+            block_ids=torch.tensor(s.block_ids[:n], dtype=torch.long, device=device),
+            context_len=ctx, mask=mask))
+        start += q_len
+    return meta
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V ([T, kvh, d]) into their cache slots."""
+    _, nb, bs, kvh, d = kv_cache.shape
+    kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, nh, d] -> [B, nh, d], one query per sequence over its gathered context."""
+    b, nh, d = q.shape
+    kvh = kv_cache.shape[3]
+    max_ctx = mask.shape[-1]
+    # [B, max_blocks, bs, kvh, d] -> [B, kvh, L, d]; padding is masked out.
+    k = kv_cache[0][block_tables].view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
+    v = kv_cache[1][block_tables].view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
+    # GQA without repeating K/V: query head h uses kv head h // g (HF repeat_kv order), so
+    # the g query heads of one kv head act as g "query positions" of that head.
+    qg = q.view(b, kvh, nh // kvh, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, nh, d)
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
+                      scale: float) -> torch.Tensor:
+    """q: [q_len, nh, d] -> [q_len, nh, d], causal over cached prefix + this chunk."""
+    q_len, nh, d = q.shape
+    kvh = kv_cache.shape[3]
+    ctx = seq.context_len
+    k = kv_cache[0][seq.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1)[None]  # [1, kvh, ctx, d]
+    v = kv_cache[1][seq.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    qh = q.transpose(0, 1)[None]                                                  # [1, nh, q_len, d]
+    if seq.mask is None:  # chunk starts at position 0: plain causal (q_len == ctx)
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=kvh != nh)
+    else:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=seq.mask, scale=scale,
+                                             enable_gqa=kvh != nh)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """q: [T, nh, d], k/v: [T, kvh, d] -> [T, nh, d]. Writes k/v into the cache first."""
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    if not meta.prefills:
+        return decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_mask, scale)
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[:meta.num_decode] = decode_attention(q[:meta.num_decode], kv_cache,
+                                                 meta.decode_block_tables, meta.decode_mask, scale)
+    for seq in meta.prefills:
+        out[seq.q_start:seq.q_end] = prefill_attention(q[seq.q_start:seq.q_end], kv_cache, seq, scale)
+    return out

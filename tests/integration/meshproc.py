@@ -1,0 +1,95 @@
+"""Start the real mesh (`meshllm serve`) as processes on free 127.0.0.1 ports, and stop it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid`, read from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class MeshProcess:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    model_name: str
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def service_pids(self) -> list[int]:
+        return children_of(self.proc.pid)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_mesh(model_dir: str, *extra: str, ready_timeout_s: float = 300.0) -> MeshProcess:
+    http_port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "services.cli.main", "serve", model_dir, "--port", str(http_port),
+           "--grpc-port", str(grpc_port), "--served-model-name", "smollm2-135m-instruct", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
+    mesh = MeshProcess(proc, http_port, grpc_port, "smollm2-135m-instruct")
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the mesh exited with code {proc.returncode} before becoming ready")
+        try:
+            with urllib.request.urlopen(f"{mesh.http_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return mesh
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            mesh.stop()
+            raise TimeoutError("the mesh did not become ready in time")
+        time.sleep(0.3)
