@@ -143,6 +143,8 @@ def run_mesh(cfg: MeshConfig) -> int:
         mesh.start()
         print(f"meshllm is up: OpenAI API http://{cfg.host}:{cfg.port}/v1 (health: /health), "
               f"gRPC {cfg.host}:{cfg.grpc_port}, model {cfg.served_model_name!r}. Ctrl-C stops it.", flush=True)
+        print(f"meshllm services: tokenizer=127.0.0.1:{mesh.tokenizer_port} scheduler=127.0.0.1:{mesh.scheduler_port} "
+              f"worker={mesh.worker_addr} worker-health=127.0.0.1:{mesh.worker_grpc_port}", flush=True)
         while True:
             mesh.check_alive()
             time.sleep(0.5)

@@ -229,6 +229,8 @@ class EngineClient:
                 reason = f"{err.code().name}: {err.details()}"
             finally:
                 was_connected, self.connected = self.connected, False
+                for handle in self._requests.values():
+                    handle._engine_done = True  # the scheduler drops a closed stream's requests
                 if writer is not None:
                     writer.cancel()
                 if call is not None:

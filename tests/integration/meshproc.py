@@ -60,6 +60,16 @@ class MeshProcess:
     def grpc_addr(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    log_path: str = ""
+
+    def services(self) -> dict[str, str]:
+        """Internal addresses the launcher printed (tokenizer, scheduler, worker, worker-health)."""
+        with open(self.log_path) as f:
+            for line in f:
+                if line.startswith("meshllm services:"):
+                    return dict(kv.split("=", 1) for kv in line.split(":", 1)[1].split())
+        raise RuntimeError("the launcher did not print its services line")
+
     def service_pids(self) -> list[int]:
         return children_of(self.proc.pid)
 
@@ -77,15 +87,17 @@ def start_mesh(model_dir: str, *extra: str, ready_timeout_s: float = 300.0) -> M
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "services.cli.main", "serve", model_dir, "--port", str(http_port),
            "--grpc-port", str(grpc_port), "--served-model-name", "smollm2-135m-instruct", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
-    mesh = MeshProcess(proc, http_port, grpc_port, "smollm2-135m-instruct")
+    import tempfile
+    log = tempfile.NamedTemporaryFile(prefix="meshllm-launcher-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log)
+    mesh = MeshProcess(proc, http_port, grpc_port, "smollm2-135m-instruct", log.name)
     deadline = time.monotonic() + ready_timeout_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the mesh exited with code {proc.returncode} before becoming ready")
         try:
             with urllib.request.urlopen(f"{mesh.http_url}/health", timeout=2) as r:
-                if r.status == 200:
+                if r.status == 200 and "meshllm services:" in open(mesh.log_path).read():
                     return mesh
         except OSError:
             pass

@@ -1,0 +1,81 @@
+"""The request lifecycle shared by the HTTP and gRPC APIs: model check, tokenization,
+validation against the engine's limits, submission."""
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+
+from services.common import pb
+from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import EngineClient, RequestHandle
+from services.gateway.errors import ApiError
+from services.gateway.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
+from services.gateway.tokenizer_client import TokenizerClient
+
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sane_client_id(value: str | None) -> str | None:
+    """A client-supplied request id we are willing to echo back and log, else None."""
+    return value if value and _SANE_ID.match(value) else None
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: TokenizerClient,
+                 engine: EngineClient) -> None:
+        self.config, self.tokenizer, self.engine = config, tokenizer, engine
+        self.tokenizer_ready = False  # kept up to date by main's readiness monitor
+
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer_ready and self.engine.connected and self.engine.info is not None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len if self.engine.info is not None else 0
+
+    def limits(self) -> Limits:
+        info = self.engine.info
+        if info is None:
+            raise ApiError("unavailable", "the engine is not reachable yet; try again shortly")
+        return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                      max_stop_strings=self.config.max_stop_strings,
+                      max_stop_string_chars=self.config.max_stop_string_chars)
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.config.served_model_name:
+            raise ApiError("not_found", f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not text:
+            raise ApiError("invalid_argument", "the prompt is empty", param="prompt")
+        return await self.tokenizer.encode(text, add_special_tokens)
+
+    async def tokenize_chat(self, messages: Sequence["pb.common.ChatMessage"],
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        if not messages:
+            raise ApiError("invalid_argument", "messages must not be empty", param="messages")
+        return await self.tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                        continue_final_message)
+
+    def start(self, request_id: str, prompt_ids: Sequence[int],
+              sampling: "pb.common.SamplingParams", *, prompt_param: str = "prompt",
+              cache_salt: str = "", priority: int = 0) -> RequestHandle:
+        """Validate against the engine's limits (filling in max_tokens) and submit."""
+        limits = self.limits()
+        validate_prompt(prompt_ids, limits, prompt_param)
+        validate_sampling(sampling, limits)
+        resolve_max_tokens(sampling, len(prompt_ids), limits)
+        return self.engine.submit(request_id, list(prompt_ids), sampling,
+                                  cache_salt=cache_salt, priority=priority)

@@ -1,0 +1,89 @@
+"""Greedy output of the mesh equals transformers' greedy output on the same converted weights."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+import torch
+from openai import OpenAI
+
+from services.common import pb
+
+PROMPTS = [
+    "The quick brown fox",
+    "In 1492, Christopher Columbus",
+    "def fibonacci(n):\n",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    """Plain greedy decoding with transformers, not stopping at EOS."""
+    _, model = hf
+    ids: list[int] = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(n):
+            nxt = int(out.logits[0, -1].argmax())
+            ids.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids
+
+
+def mesh_generate_ids(stub, model, prompt_ids, n, ignore_eos=True) -> list[int]:
+    req = pb.generation.GenerateRequest(model=model, token_ids=pb.common.TokenIds(ids=prompt_ids),
+                                        sampling=pb.common.SamplingParams(max_tokens=n, ignore_eos=ignore_eos))
+    ids = []
+    for resp in stub.Generate(req, timeout=300):
+        ids.extend(resp.token_ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def stub(mesh):
+    ch = grpc.insecure_channel(mesh.grpc_addr)
+    yield pb.generation_grpc.GenerationStub(ch)
+    ch.close()
+
+
+def test_greedy_tokens_equal_transformers(hf, stub, mesh):
+    tok, _ = hf
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        expected = hf_greedy(hf, ids, NEW_TOKENS)
+        got = mesh_generate_ids(stub, mesh.model_name, ids, NEW_TOKENS)
+        assert got == expected, f"prompt {PROMPTS.index(prompt)} diverged at token " \
+                                f"{next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)}"
+
+
+def test_greedy_text_through_openai_equals_transformers(hf, mesh):
+    tok, _ = hf
+    client = OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    prompt = PROMPTS[0]
+    expected = tok.decode(hf_greedy(hf, tok(prompt)["input_ids"], NEW_TOKENS), skip_special_tokens=True)
+    r = client.completions.create(model=mesh.model_name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected
+
+
+def test_sixteen_concurrent_requests_equal_their_solo_outputs(stub, mesh, hf):
+    tok, _ = hf
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    prompts = [tok(" ".join(words[: 1 + i]) + " and then")["input_ids"] for i in range(16)]
+    solo = [mesh_generate_ids(stub, mesh.model_name, p, 24) for p in prompts]
+    with cf.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda p: mesh_generate_ids(stub, mesh.model_name, p, 24), prompts))
+    assert all(len(s) == 24 for s in solo)
+    for i, (a, b) in enumerate(zip(solo, together)):
+        assert a == b, f"request {i} differs when batched"
