@@ -45,8 +45,23 @@ def watch_parent(on_orphaned, interval_s: float = 1.0) -> None:
     threading.Thread(target=_loop, name="parent-watch", daemon=True).start()
 
 
-def install_stop_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """SIGTERM / SIGINT set `stop` so a service can shut down gracefully."""
+def install_stop_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
+                          hard_exit_after_s: float = 15.0) -> None:
+    """SIGTERM / SIGINT set `stop` so a service can shut down gracefully.
+
+    A graceful stop that hangs (a stuck stream, a busy thread) must never leave the process
+    behind: a second signal, or `hard_exit_after_s` after the first, ends it at once."""
+    state = {"signalled": False}
+
+    def on_stop() -> None:
+        if state["signalled"]:
+            os._exit(1)
+        state["signalled"] = True
+        timer = threading.Timer(hard_exit_after_s, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    watch_parent(lambda: loop.call_soon_threadsafe(stop.set))
+        loop.add_signal_handler(sig, on_stop)
+    watch_parent(lambda: loop.call_soon_threadsafe(on_stop))

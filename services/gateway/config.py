@@ -17,6 +17,7 @@ class GatewayConfig:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
     tokenizer_timeout_s: float = 30.0
+    shutdown_grace_s: float = 2.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -36,5 +37,7 @@ class GatewayConfig:
             raise ValueError("--max-inflight-requests must be at least 1")
         if self.max_stop_strings < 0 or self.max_stop_string_chars < 1:
             raise ValueError("stop-string limits must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("--shutdown-grace-s must be >= 0")
         if self.tokenizer_timeout_s <= 0:
             raise ValueError("--tokenizer-timeout-s must be positive")

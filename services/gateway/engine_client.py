@@ -183,6 +183,10 @@ class EngineClient:
         self._forget(handle)
         return True
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with UNAVAILABLE (and abort it in the engine)."""
+        self._fail_all(ApiError("unavailable", message))
+
     # --- internals -------------------------------------------------------------------------
 
     def _forget(self, handle: RequestHandle) -> None:
@@ -227,6 +231,9 @@ class EngineClient:
                 await self._read_loop(call)
             except grpc.aio.AioRpcError as err:
                 reason = f"{err.code().name}: {err.details()}"
+            except Exception as err:  # a bug must not leave requests hanging forever
+                log.exception("EngineStream reader failed")
+                reason = f"internal error: {err!r}"
             finally:
                 was_connected, self.connected = self.connected, False
                 for handle in self._requests.values():
@@ -290,7 +297,12 @@ class EngineClient:
                 handle = self._requests.get(out.request_id)
                 if handle is None:
                     continue
-                handle._deliver(out, texts.get(out.request_id, ""))
+                try:
+                    handle._deliver(out, texts.get(out.request_id, ""))
+                except Exception as err:  # one bad output fails one request, not the gateway
+                    log.exception("failed to deliver an output of %s", out.request_id)
+                    self.abort(out.request_id, ApiError("internal", f"gateway error: {err!r}"))
+                    continue
                 if handle.finished:
                     del self._requests[out.request_id]
                     self._forget(handle)  # a stop string: abort it in the engine

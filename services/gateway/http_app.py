@@ -145,7 +145,8 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
         request.state.outcome = f"error:{err.kind}"
-        return JSONResponse(err.to_openai(), status_code=err.http_status)
+        headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
+        return JSONResponse(err.to_openai(), status_code=err.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2 as hpb
+from grpc_health.v1 import health_pb2_grpc as hpb_grpc
 
 from services.common import pb
 from services.common.grpc_server import channel
@@ -21,6 +23,7 @@ class TokenizerClient:
         self.address, self.timeout_s = address, timeout_s
         self._channel = channel(address)
         self._stub = pb.tokenizer_grpc.TokenizerStub(self._channel)
+        self._health = hpb_grpc.HealthStub(self._channel)
         self._call = None                       # the Detokenize stream, opened lazily
         self._reader: asyncio.Task | None = None
         self._write_lock = asyncio.Lock()
@@ -31,6 +34,15 @@ class TokenizerClient:
     async def close(self) -> None:
         self._drop_stream(ApiError("unavailable", "the gateway is shutting down"))
         await self._channel.close()
+
+    async def is_ready(self) -> bool:
+        """The tokenizer's grpc.health.v1 readiness."""
+        try:
+            resp = await self._health.Check(hpb.HealthCheckRequest(service="tokenizer"),
+                                            timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == hpb.HealthCheckResponse.SERVING
 
     # --- unary calls -------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ Pure: no gRPC, no threads; the server wraps it.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,8 +16,6 @@ import tokenizers
 
 from services.tokenizer.chat_template import (ChatTemplate, ChatTemplateError, MessageLimits,
                                               RenderLimits)
-
-log = logging.getLogger(__name__)
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

@@ -61,7 +61,7 @@ def build_attn_metadata(seqs: list[SeqSchedule], block_size: int, device: torch.
     for s in seqs:
         pos = torch.arange(s.num_computed_tokens, s.context_len)
         table = torch.tensor(s.block_ids, dtype=torch.long)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        slots.append(table.index_select(0, pos // block_size) * block_size + pos % block_size)
     meta = AttnMetadata(slot_mapping=torch.cat(slots).to(device) if slots else
                         torch.empty(0, dtype=torch.long, device=device), num_decode=num_decode)
     if num_decode:
@@ -115,8 +115,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     kvh = kv_cache.shape[3]
     max_ctx = mask.shape[-1]
     # [B, max_blocks, bs, kvh, d] -> [B, kvh, L, d]; padding is masked out.
-    k = kv_cache[0][block_tables].view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
-    v = kv_cache[1][block_tables].view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
+    # index_select, not kv_cache[0][tables]: advanced indexing costs time proportional to the
+    # whole cache on CPU (milliseconds per layer), index_select only to what it copies.
+    flat = block_tables.view(-1)
+    k = kv_cache[0].index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
+    v = kv_cache[1].index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
     # GQA without repeating K/V: query head h uses kv head h // g (HF repeat_kv order), so
     # the g query heads of one kv head act as g "query positions" of that head.
     qg = q.view(b, kvh, nh // kvh, d)
@@ -130,8 +133,9 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
     q_len, nh, d = q.shape
     kvh = kv_cache.shape[3]
     ctx = seq.context_len
-    k = kv_cache[0][seq.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1)[None]  # [1, kvh, ctx, d]
-    v = kv_cache[1][seq.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    k = kv_cache[0].index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    v = kv_cache[1].index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    # k, v: [1, kvh, ctx, d]
     qh = q.transpose(0, 1)[None]                                                  # [1, nh, q_len, d]
     if seq.mask is None:  # chunk starts at position 0: plain causal (q_len == ctx)
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,

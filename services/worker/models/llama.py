@@ -94,7 +94,8 @@ class LlamaModel:
         cfg = self.cfg
         t = input_ids.shape[0]
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, d]
+        cos = self.cos.index_select(0, positions)[:, None, :]                          # [T, 1, d]
+        sin = self.sin.index_select(0, positions)[:, None, :]
         h = F.embedding(input_ids, self.embed)                                        # [T, H]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)

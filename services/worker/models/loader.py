@@ -70,6 +70,9 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     cfg: ModelConfig = load_model_config(model_dir)
     device = torch.device(device)
     max_len = max_model_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        raise ModelConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                               f"{cfg.max_position_embeddings}")
     nh, kvh, d, hsz = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     with ExitStack() as stack:
         w = _Tensors(_weight_files(model_dir), stack, dtype, device)

@@ -1,0 +1,128 @@
+"""The public gRPC API: meshllm.v1.Generation (Generate, Tokenize, ListModels, Abort)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from services.common import pb
+from services.gateway.engine_client import RequestHandle
+from services.gateway.errors import ApiError
+from services.gateway.service import Gateway, new_request_id, sane_client_id
+
+log = logging.getLogger("meshllm.gateway.grpc")
+
+_FINISH = {"stop": pb.common.FINISH_REASON_STOP, "length": pb.common.FINISH_REASON_LENGTH}
+SERVICE_NAME = "meshllm.v1.Generation"
+
+
+def _chat_args(chat: "pb.generation.ChatInput") -> tuple[bool, bool]:
+    add = (chat.add_generation_prompt if chat.HasField("add_generation_prompt")
+           else not chat.continue_final_message)
+    if add and chat.continue_final_message:
+        raise ApiError("invalid_argument", "add_generation_prompt and continue_final_message "
+                       "cannot both be true", param="chat")
+    return add, chat.continue_final_message
+
+
+class GenerationServicer(pb.generation_grpc.GenerationServicer):
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.started = int(time.time())
+        # Requests started through this API (the only ones its Abort may touch); bounded by
+        # the engine client's in-flight limit, cleaned when each stream ends.
+        self._active: dict[str, RequestHandle] = {}
+
+    async def _prompt_ids(self, request: "pb.generation.GenerateRequest") -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "text":
+            return await self.gw.tokenize_text(request.text)
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "chat":
+            add, cont = _chat_args(request.chat)
+            return await self.gw.tokenize_chat(request.chat.messages, add, cont)
+        raise ApiError("invalid_argument", "input must be one of text, token_ids or chat")
+
+    async def Generate(self, request, context):
+        start, handle, outcome = time.monotonic(), None, "ok"
+        rid = request.request_id or new_request_id("gen")
+        try:
+            if sane_client_id(rid) is None:
+                raise ApiError("invalid_argument", "request_id must be 1-128 characters of "
+                               "[A-Za-z0-9._:@/+=-]")
+            self.gw.check_model(request.model)
+            sampling = pb.common.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            prompt_ids = await self._prompt_ids(request)
+            handle = self.gw.start(rid, prompt_ids, sampling, cache_salt=request.cache_salt,
+                                   priority=request.priority)
+            self._active[rid] = handle
+            async for delta in handle:
+                if delta.error is not None:
+                    raise delta.error
+                resp = pb.generation.GenerateResponse(
+                    request_id=rid, text=delta.text, token_ids=delta.token_ids,
+                    logprobs=delta.logprobs)
+                if delta.last:
+                    resp.finish_reason = _FINISH[delta.finish_reason]
+                    resp.stop_reason = "" if delta.stop_reason is None else str(delta.stop_reason)
+                    resp.usage.CopyFrom(pb.common.Usage(
+                        prompt_tokens=handle.num_prompt_tokens,
+                        completion_tokens=handle.num_completion_tokens,
+                        total_tokens=handle.num_prompt_tokens + handle.num_completion_tokens,
+                        cached_prompt_tokens=handle.num_cached_tokens))
+                yield resp
+        except ApiError as err:
+            outcome = f"error:{err.kind}"
+            await context.abort(err.grpc_status, err.message)
+        except BaseException:
+            outcome = "cancelled"
+            raise
+        finally:
+            if handle is not None:
+                if self._active.get(rid) is handle:
+                    del self._active[rid]
+                handle.abort()
+            log.info("request id=%s route=grpc Generate outcome=%s prompt_tokens=%d "
+                     "completion_tokens=%d finish=%s latency_ms=%.1f", rid, outcome,
+                     handle.num_prompt_tokens if handle else 0,
+                     handle.num_completion_tokens if handle else 0,
+                     handle.finish_reason if handle else "-", (time.monotonic() - start) * 1e3)
+
+    async def Tokenize(self, request, context):
+        try:
+            self.gw.check_model(request.model)
+            which = request.WhichOneof("input")
+            if which == "text":
+                ids = await self.gw.tokenizer.encode(request.text, request.add_special_tokens)
+            elif which == "chat":
+                add, cont = _chat_args(request.chat)
+                ids = await self.gw.tokenize_chat(request.chat.messages, add, cont)
+            else:
+                raise ApiError("invalid_argument", "input must be one of text or chat")
+        except ApiError as err:
+            await context.abort(err.grpc_status, err.message)
+        return pb.generation.TokenizeResponse(token_ids=ids, count=len(ids),
+                                              max_model_len=self.gw.max_model_len)
+
+    async def ListModels(self, request, context):
+        return pb.generation.ListModelsResponse(models=[pb.generation.ModelCard(
+            id=self.gw.model_name, created=self.started, owned_by="meshllm",
+            max_model_len=self.gw.max_model_len)])
+
+    async def Abort(self, request, context):
+        aborted = 0
+        for rid in request.request_ids:
+            handle = self._active.pop(rid, None)
+            if handle is not None:
+                handle.abort()
+                aborted += 1
+        return pb.generation.AbortResponse(aborted=aborted)
+
+
+def add_to_server(server: grpc.aio.Server, gw: Gateway) -> GenerationServicer:
+    servicer = GenerationServicer(gw)
+    pb.generation_grpc.add_GenerationServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,1 @@
+"""The tokenizer service: text <-> token ids, chat templates, incremental detokenization."""

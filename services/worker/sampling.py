@@ -1,0 +1,225 @@
+"""Token sampling over a batch of logits rows, one row per request that samples this step.
+
+Order of operations (per row): logit_bias -> min_tokens (mask stop ids) -> repetition /
+presence / frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+draw. Returned logprobs are those of the model's raw distribution (log_softmax of the
+unprocessed logits), like vLLM's default `raw_logprobs`.
+
+Randomness: each draw uses a generator seeded from (request seed, position of the token
+being sampled), so a seeded request gives the same tokens alone or in any batch, and even
+after a preemption. Unseeded requests get a random base seed when they are created.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+# Requests asking for more top logprobs than this are clamped (the gateway enforces its own
+# limit; this only bounds the worker's work).
+MAX_TOP_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingParamsError(ValueError):
+    """Sampling parameters that cannot be honoured (reported as INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                  # <= 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None     # None: no logprobs; N: the sampled token's + top N
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_proto(cls, sp, vocab_size: int) -> "SamplingConfig":
+        """Validate a pb.common.SamplingParams; zero values mean "default" (see common.proto)."""
+        def finite(name: str, v: float) -> float:
+            if v != v or v in (float("inf"), float("-inf")):
+                raise SamplingParamsError(f"{name} must be finite")
+            return float(v)
+
+        temperature = finite("temperature", sp.temperature)
+        if temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {temperature}")
+        top_p = finite("top_p", sp.top_p)
+        if not 0.0 <= top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in [0, 1], got {top_p}")
+        min_p = finite("min_p", sp.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {min_p}")
+        rep = finite("repetition_penalty", sp.repetition_penalty)
+        if rep < 0:
+            raise SamplingParamsError(f"repetition_penalty must be >= 0, got {rep}")
+        bias = []
+        for tid, b in sorted(sp.logit_bias.items()):
+            if not 0 <= tid < vocab_size:
+                raise SamplingParamsError(f"logit_bias token id {tid} outside the vocabulary")
+            bias.append((int(tid), finite("logit_bias", b)))
+        stops = tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size)
+        logprobs = None
+        if sp.HasField("logprobs"):
+            if sp.logprobs < 0:
+                raise SamplingParamsError(f"logprobs must be >= 0, got {sp.logprobs}")
+            logprobs = min(sp.logprobs, MAX_TOP_LOGPROBS, vocab_size)
+        return cls(
+            temperature=temperature,
+            top_p=1.0 if top_p == 0.0 else top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            min_p=min_p,
+            presence_penalty=finite("presence_penalty", sp.presence_penalty),
+            frequency_penalty=finite("frequency_penalty", sp.frequency_penalty),
+            repetition_penalty=1.0 if rep == 0.0 else rep,
+            seed=sp.seed if sp.HasField("seed") else None,
+            logprobs=logprobs,
+            logit_bias=tuple(bias),
+            min_tokens=max(0, sp.min_tokens),
+            stop_token_ids=stops,
+            ignore_eos=sp.ignore_eos,
+        )
+
+
+def new_base_seed(cfg: SamplingConfig) -> int:
+    """The request's base seed: its own, or a random one drawn once at creation."""
+    return cfg.seed if cfg.seed is not None else random.getrandbits(63)
+
+
+def step_seed(base_seed: int, position: int) -> int:
+    """Seed of the draw for the token at `position` (splitmix64 of base and position)."""
+    z = (base_seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one request for one step."""
+
+    cfg: SamplingConfig
+    token_ids: list[int]       # every known token (prompt + outputs) before this draw
+    num_output_tokens: int     # the last this many of token_ids are outputs
+    base_seed: int
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # [(token_id, logprob)] best first
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow],
+                            eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """In place on `logits` [N, V] float32: logit_bias, min_tokens, penalties."""
+    v = logits.shape[1]
+    for i, row in enumerate(rows):
+        cfg = row.cfg
+        if cfg.logit_bias:
+            ids = torch.tensor([t for t, _ in cfg.logit_bias], device=logits.device)
+            logits[i, ids] += torch.tensor([b for _, b in cfg.logit_bias], device=logits.device)
+        if row.num_output_tokens < cfg.min_tokens:
+            stop = set(cfg.stop_token_ids) | (set() if cfg.ignore_eos else set(eos_token_ids))
+            stop = [t for t in stop if 0 <= t < v]
+            if stop:
+                logits[i, torch.tensor(stop, device=logits.device)] = float("-inf")
+        if not cfg.has_penalties:
+            continue
+        if cfg.repetition_penalty != 1.0 and row.token_ids:
+            seen = torch.tensor(sorted(set(row.token_ids)), device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / cfg.repetition_penalty,
+                                          vals * cfg.repetition_penalty)
+        if (cfg.presence_penalty or cfg.frequency_penalty) and row.num_output_tokens:
+            out = torch.tensor(row.token_ids[len(row.token_ids) - row.num_output_tokens:],
+                               device=logits.device)
+            counts = torch.bincount(out, minlength=v)[:v].to(logits.dtype)
+            logits[i] -= cfg.frequency_penalty * counts + cfg.presence_penalty * (counts > 0)
+    return logits
+
+
+def _restrict(x: torch.Tensor, cfgs: list[SamplingConfig]) -> torch.Tensor:
+    """top-k, then top-p, then min-p over temperature-scaled logits x [n, V]."""
+    n, v = x.shape
+    need_sort = any(c.top_k or c.top_p < 1.0 for c in cfgs)
+    if need_sort:
+        s, idx = x.sort(dim=-1, descending=True)
+        ks = torch.tensor([c.top_k if c.top_k else v for c in cfgs], device=x.device)
+        s = s.masked_fill(torch.arange(v, device=x.device)[None, :] >= ks[:, None], float("-inf"))
+        ps = torch.tensor([c.top_p for c in cfgs], device=x.device, dtype=x.dtype)
+        if (ps < 1.0).any():
+            p = s.softmax(dim=-1)
+            # Drop a token once the mass strictly before it already reaches top_p; keeps >= 1.
+            s = s.masked_fill(p.cumsum(dim=-1) - p > ps[:, None], float("-inf"))
+        x = torch.empty_like(x).scatter_(1, idx, s)
+    min_ps = torch.tensor([c.min_p for c in cfgs], device=x.device, dtype=x.dtype)
+    if (min_ps > 0).any():
+        p = x.softmax(dim=-1)
+        x = x.masked_fill(p < min_ps[:, None] * p.max(dim=-1, keepdim=True).values, float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           eos_token_ids: tuple[int, ...] = ()) -> list[SampledToken]:
+    """logits: [N, V] float32 (modified in place) -> one SampledToken per row."""
+    n = logits.shape[0]
+    dev = logits.device
+    # index_select / index_copy_ with index tensors: list indexing is slow on CPU.
+    want_lp = [i for i, r in enumerate(rows) if r.cfg.logprobs is not None]
+    lp_idx = torch.tensor(want_lp, dtype=torch.long, device=dev)
+    raw_lp = torch.log_softmax(logits.index_select(0, lp_idx), dim=-1) if want_lp else None
+    logits = apply_logits_processors(logits, rows, eos_token_ids)
+    greedy = [i for i, r in enumerate(rows) if r.cfg.greedy]
+    if len(greedy) == n:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(n, dtype=torch.long, device=dev)
+        if greedy:
+            g_idx = torch.tensor(greedy, dtype=torch.long, device=dev)
+            tokens.index_copy_(0, g_idx, logits.index_select(0, g_idx).argmax(dim=-1))
+        rand = [i for i, r in enumerate(rows) if not r.cfg.greedy]
+        r_idx = torch.tensor(rand, dtype=torch.long, device=dev)
+        cfgs = [rows[i].cfg for i in rand]
+        temps = torch.tensor([c.temperature for c in cfgs], device=dev)
+        probs = _restrict(logits.index_select(0, r_idx) / temps[:, None], cfgs).softmax(dim=-1)
+        # Exponential race (argmax p/q, q ~ Exp(1)) == multinomial, without a device sync,
+        # and each row's noise comes from its own generator only.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rand):
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(step_seed(rows[i].base_seed, len(rows[i].token_ids)))
+            noise[j].exponential_(generator=gen)
+        noise.clamp_(min=1e-30)  # an exact 0 draw would make 0/0 for masked tokens
+        tokens.index_copy_(0, r_idx, (probs / noise).argmax(dim=-1))
+    token_list = tokens.tolist()
+    out = [SampledToken(t) for t in token_list]
+    if want_lp:
+        sampled_lp = raw_lp.gather(1, tokens.index_select(0, lp_idx)[:, None])[:, 0].tolist()
+        max_top = max(rows[i].cfg.logprobs for i in want_lp)
+        top_v, top_i = (raw_lp.topk(max_top, dim=-1) if max_top else (None, None))
+        for j, i in enumerate(want_lp):
+            k = rows[i].cfg.logprobs
+            out[i].logprob = sampled_lp[j]
+            out[i].top = (list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else [])
+    return out

@@ -1,0 +1,142 @@
+"""OpenAI request validation and conversion to the engine's SamplingParams."""
+import json
+
+import pytest
+
+from services.common import pb
+from services.gateway.errors import ApiError
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
+
+LIMITS = Limits(max_model_len=100, vocab_size=1000)
+
+
+def body(**kw) -> bytes:
+    return json.dumps(kw).encode()
+
+
+def error_of(fn, *args) -> dict:
+    with pytest.raises(ApiError) as exc:
+        fn(*args)
+    assert exc.value.http_status == 400
+    return exc.value.to_openai()["error"]
+
+
+def test_completion_request_converts_to_sampling_params():
+    req = parse_body(CompletionRequest, body(
+        model="m", prompt="hi", max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
+        stop="END", stop_token_ids=[5], ignore_eos=True, skip_special_tokens=False,
+        unknown_field={"ignored": True}))
+    sp = req.to_sampling()
+    assert (sp.max_tokens, sp.top_k, sp.seed, list(sp.stop), list(sp.stop_token_ids)) == \
+        (7, 40, 3, ["END"], [5])
+    assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
+    assert sp.ignore_eos and not sp.skip_special_tokens
+    assert not sp.HasField("logprobs")
+
+
+def test_defaults_follow_openai_and_leave_max_tokens_to_the_context():
+    sp = parse_body(CompletionRequest, body(prompt=[1, 2, 3])).to_sampling()
+    assert sp.temperature == 1.0 and sp.top_p == 1.0 and sp.max_tokens == 0
+    assert sp.skip_special_tokens and not sp.HasField("seed")
+
+
+def test_prompt_may_be_token_ids_or_a_one_element_batch():
+    assert parse_body(CompletionRequest, body(prompt=[[4, 5]])).prompt == [4, 5]
+    assert parse_body(CompletionRequest, body(prompt=["x"])).prompt == "x"
+
+
+@pytest.mark.parametrize("raw, needle, param", [
+    (b"{not json", "not valid JSON", None),
+    (b"[1, 2]", "must be a JSON object", None),
+    (body(prompt=5), "prompt: must be a string or a list of token ids", "prompt"),
+    (body(prompt=["a", "b"]), "several prompts is not supported", "prompt"),
+    (body(), "prompt: Field required", "prompt"),
+    (body(prompt="x", temperature="hot"), "temperature: Input should be a valid number",
+     "temperature"),
+    (body(prompt="x", max_tokens=True), "max_tokens: Input should be a valid integer",
+     "max_tokens"),
+    (body(prompt="x", stop=[1]), "stop: must be a string or a list of strings", "stop"),
+])
+def test_malformed_bodies_give_readable_400s(raw, needle, param):
+    err = error_of(parse_body, CompletionRequest, raw)
+    assert needle in err["message"] and err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"echo": True}, "echo"),
+    ({"logprobs": 2}, "logprobs"),
+])
+def test_unsupported_or_out_of_range_parameters_are_rejected(fields, param):
+    req = parse_body(CompletionRequest, body(prompt="x", **fields))
+    assert error_of(req.to_sampling)["param"] == param
+
+
+def test_n_greater_than_one_has_a_clear_message():
+    req = parse_body(CompletionRequest, body(prompt="x", n=3))
+    assert "only n=1" in error_of(req.to_sampling)["message"]
+
+
+def test_chat_messages_with_text_parts_are_joined_and_max_completion_tokens_wins():
+    req = parse_body(ChatCompletionRequest, body(
+        messages=[{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": [{"type": "text", "text": "a"},
+                                               {"type": "text", "text": "b"}]}],
+        max_tokens=50, max_completion_tokens=9, stream=True,
+        stream_options={"include_usage": True}))
+    msgs = req.to_chat_messages()
+    assert [(m.role, m.content) for m in msgs] == [("system", "be brief"), ("user", "a\nb")]
+    assert req.to_sampling().max_tokens == 9 and req.include_usage
+
+
+def test_chat_rejects_image_parts_and_unknown_roles():
+    req = parse_body(ChatCompletionRequest, body(messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]))
+    assert "only text parts" in error_of(req.to_chat_messages)["message"]
+    err = error_of(parse_body, ChatCompletionRequest,
+                   body(messages=[{"role": "robot", "content": "x"}]))
+    assert err["param"] == "messages"
+
+
+def test_prompt_plus_max_tokens_beyond_context_is_rejected():
+    sp = pb.common.SamplingParams(max_tokens=30)
+    err = error_of(resolve_max_tokens, sp, 80, LIMITS)
+    assert "maximum context length is 100" in err["message"] and err["param"] == "max_tokens"
+
+
+def test_missing_max_tokens_fills_the_rest_of_the_context():
+    sp = pb.common.SamplingParams()
+    resolve_max_tokens(sp, 80, LIMITS)
+    assert sp.max_tokens == 20
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    ([], "empty"), ([1] * 100, "maximum context length"), ([1, 1000], "outside the vocabulary")])
+def test_bad_prompts_are_rejected(prompt, needle):
+    assert needle in error_of(validate_prompt, prompt, LIMITS)["message"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+    ({"stop_token_ids": [5000]}, "stop_token_ids"), ({"stop": [""]}, "stop"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 99}, "logprobs"),
+    ({"temperature": float("nan")}, "temperature")])
+def test_sampling_ranges_are_checked(fields, param):
+    sp = pb.common.SamplingParams(**fields)
+    assert error_of(validate_sampling, sp, LIMITS)["param"] == param
+
+
+def test_too_many_stop_strings_are_rejected():
+    sp = pb.common.SamplingParams(stop=[f"s{i}" for i in range(33)])
+    assert "at most 32" in error_of(validate_sampling, sp, LIMITS)["message"]
+
+
+def test_integer_values_are_accepted_for_float_parameters():
+    sp = parse_body(CompletionRequest, body(prompt="x", temperature=0, top_p=1)).to_sampling()
+    assert sp.temperature == 0 and sp.top_p == 1
