@@ -204,6 +204,8 @@ def prepare_model(name: str = "smollm2", cache_dir: str | Path | None = None,
         staging.chmod(0o755)  # mkdtemp makes it private; the model dir is not secret
         try:
             convert_gguf_to_hf(gguf_file, staging)
+            for written in staging.iterdir():
+                written.chmod(0o644)  # safetensors creates its file private; nothing here is secret
             (staging / MARKER).write_text(json.dumps(_marker(spec)) + "\n")
             _install_dir(staging, model_dir)
         finally:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 from services.common.log import setup_logging
 from services.worker.config import DTYPES, WorkerConfig
@@ -41,5 +42,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    # OpenMP threads that spin at barriers collapse throughput (5x measured) when the worker
+    # shares cores with the other services; sleeping threads cost little. Must be set before
+    # torch (and its OpenMP runtime) is loaded; an explicit setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from services.worker.server import serve  # torch import only after the flags are valid
     return asyncio.run(serve(cfg))

@@ -97,11 +97,15 @@ def models(smollm2_dir, smollm2_gguf):
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # One thread: these matmuls are tiny, and OpenMP threads waiting on each other on a busy
+    # 2-core CI machine made them ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     converted = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
-    return converted, reference
+    yield converted, reference
+    torch.set_num_threads(threads)
 
 
 def test_converted_weights_equal_transformers_gguf_dequantization(models):

@@ -6,7 +6,7 @@ import torch
 
 from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models import load_model, load_model_config
-from tests.unit.tiny_llama import VOCAB, hf_model, make_tiny_llama
+from tests.unit.tiny_llama import VOCAB, hf_family_model, hf_model, make_tiny_family, make_tiny_llama
 
 ATOL = 1e-4
 BLOCK = 4
@@ -137,3 +137,23 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
 
 def test_eos_ids_merge_config_and_generation_config(tiny_dir):
     assert load_model_config(tiny_dir).eos_token_ids == (2, 3)
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("mistral", {"sliding_window": 6, "head_dim": 8}),
+    ("qwen2", {"use_sliding_window": False}),
+], ids=["mistral-sliding-window", "qwen2-qkv-bias"])
+def test_other_llama_family_layouts_match_transformers(tmp_path, family, extra):
+    d = make_tiny_family(tmp_path, family, seed=5, **extra)
+    cfg = load_model_config(d)
+    if family == "mistral":
+        assert cfg.sliding_window == 6
+    else:
+        assert cfg.attention_bias
+    model, hf = load_model(d), hf_family_model(d)
+    ids = prompt(21, 9)
+    paged = Paged(model)
+    blocks = [9, 4, 17, 2, 11, 6]
+    ours = torch.cat([paged.step([(ids, blocks, 0, 8)])[0], paged.step([(ids, blocks, 8, 7)])[0],
+                      *[paged.step([(ids, blocks, p, 1)])[0] for p in range(15, 21)]])
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=0)

@@ -39,3 +39,32 @@ def make_tiny_llama(path: Path, *, tie: bool = False, rope_scaling: dict | None 
 def hf_model(path: Path):
     from transformers import LlamaForCausalLM
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_tiny_family(path: Path, family: str, seed: int = 0, **extra) -> Path:
+    """A tiny Mistral (sliding window) or Qwen2 (qkv bias) checkpoint of the same shape."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_cls, model_cls = {"mistral": ("MistralConfig", "MistralForCausalLM"),
+                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[family]
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **extra)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3 if "embed" not in name else 1.0)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.5)  # biases
+    model.save_pretrained(path)
+    return path
+
+
+def hf_family_model(path: Path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
