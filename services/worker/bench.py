@@ -5,14 +5,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker's main() does, before torch loads
+import torch  # noqa: E402
 
-from services.common import pb
-from services.worker.models import load_model
-from services.worker.runner import ModelRunner
+from services.common import pb  # noqa: E402
+from services.worker.models import load_model  # noqa: E402
+from services.worker.runner import ModelRunner  # noqa: E402
 
 
 def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, tokens: int, vocab: int) -> dict:

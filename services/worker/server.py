@@ -19,6 +19,7 @@ from services.common.grpc_server import bind, make_server
 from services.common.procs import install_stop_handlers
 from services.worker.config import WorkerConfig
 from services.worker.models import load_model
+from services.worker.models.config import ModelConfigError
 from services.worker.runner import ModelRunner, PlanError
 
 log = logging.getLogger("meshllm.worker")
@@ -131,6 +132,9 @@ class Engine:
                     reply = self.handle(frames[-1])
                     self.sock.send_multipart([*frames[:-1], reply.SerializeToString()])
                 self._maybe_log_summary()
+        except ModelConfigError as exc:
+            self.failed = exc
+            log.error("cannot serve %s: %s", self.cfg.model, exc)
         except BaseException as exc:  # noqa: BLE001 - reported to the main thread
             self.failed = exc
             log.exception("worker engine failed")

@@ -39,7 +39,7 @@ class Paged:
             ids += toks[start:start + count]
             pos += range(start, start + count)
             sched.append(SeqSchedule(blocks, start, count))
-        meta = build_attn_metadata(sched, BLOCK, CPU)
+        meta = build_attn_metadata(sched, BLOCK, CPU, self.model.cfg.sliding_window)
         hidden = self.model.forward(torch.tensor(ids), torch.tensor(pos), meta, self.cache)
         logits = self.model.compute_logits(hidden)
         return list(logits.split([s[3] for s in seqs]))
