@@ -38,6 +38,7 @@ class Engine:
         self.info: pb.step.WorkerInfo | None = None
         self._streams: dict[int, _Stream] = {}
         self._owner: dict[str, int] = {}          # request id -> stream key
+        self._live: dict[str, list] = {}          # request id -> [arrival time, output tokens], for the log line
         self._inbox: list[tuple[int, pb.engine.EngineRequest]] = []
         self._wake = asyncio.Event()
         self._stopping = False
@@ -92,6 +93,7 @@ class Engine:
                     if stream is None:
                         continue
                     self._owner[sub.request_id] = key
+                    self._live[sub.request_id] = [time.monotonic(), 0]
                     stream.request_ids.add(sub.request_id)
                     self.core.add_request(wire.request_from_submit(sub))
             elif msg.HasField("abort"):
@@ -101,8 +103,12 @@ class Engine:
         per_stream: dict[int, list[RequestOutput]] = {}
         for out in outputs:
             key = self._owner.get(out.request_id)
+            live = self._live.get(out.request_id)
+            if live is not None:
+                live[1] += len(out.new_token_ids)
             if out.finish_reason is not None:
                 self._owner.pop(out.request_id, None)
+                self._log_finished(out, self._live.pop(out.request_id, None))
                 stream = self._streams.get(key)
                 if stream is not None:
                     stream.request_ids.discard(out.request_id)
@@ -110,6 +116,14 @@ class Engine:
                 per_stream.setdefault(key, []).append(out)
         for key, outs in per_stream.items():
             self._streams[key].queue.put_nowait(wire.outputs_to_proto(step_id, outs))
+
+    @staticmethod
+    def _log_finished(out: RequestOutput, live: list | None) -> None:
+        """One line per request: counts and timing, never token ids or text."""
+        arrived, n_out = live if live is not None else (time.monotonic(), len(out.new_token_ids))
+        log.info("request %s finished reason=%s prompt_tokens=%d output_tokens=%d e2e_ms=%.0f%s",
+                 out.request_id, out.finish_reason, out.num_prompt_tokens, n_out,
+                 (time.monotonic() - arrived) * 1e3, f" error={out.error_code}" if out.error_code else "")
 
     # ---- the loop -----------------------------------------------------------------------
     async def run(self) -> None:

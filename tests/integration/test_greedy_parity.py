@@ -37,7 +37,7 @@ def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             nxt = int(out.logits[0, -1].argmax())
             ids.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)
     return ids
 
 
