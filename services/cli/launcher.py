@@ -34,13 +34,26 @@ class MeshConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_gb: float = 1.0
+    num_kv_blocks: int = 0                 # 0: sized from kv_cache_memory_gb
     chat_template: str | None = None
+    embedding_model_dir: str | None = None  # a BERT dir served by an embedder; None: no embeddings
+    reasoning_parser: str | None = None    # gateway --reasoning-parser
+    tool_call_parser: str | None = None    # gateway --tool-call-parser
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
+    simulate_worker: bool = False          # no-compute worker (services/worker/simulated.py)
+    simulate_step_ms: float = 0.0
     ready_timeout_s: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
             raise ValueError(f"{self.model_dir!r} is not a model directory (no config.json)")
+        if self.embedding_model_dir and not os.path.isfile(
+                os.path.join(self.embedding_model_dir, "config.json")):
+            raise ValueError(f"--embedding-model {self.embedding_model_dir!r} is not a model "
+                             "directory (no config.json)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
 
@@ -56,6 +69,7 @@ class Mesh:
         self.scheduler_port = free_port()
         self.worker_grpc_port = free_port()
         self.worker_addr = f"ipc://{self._tmp}/worker.ipc"
+        self.embedder_port = free_port() if cfg.embedding_model_dir else None
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = {**os.environ, **self.cfg.extra_env, "MESHLLM_PARENT_PID": str(os.getpid()),
@@ -69,7 +83,10 @@ class Mesh:
         self._spawn("worker", ["--model", c.model_dir, "--zmq-addr", self.worker_addr, "--host", "127.0.0.1",
                                "--grpc-port", str(self.worker_grpc_port), "--device", c.device, "--dtype", c.dtype,
                                "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
-                               "--served-model-name", c.served_model_name, *engine_args])
+                               *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
+                               "--served-model-name", c.served_model_name, *engine_args,
+                               *(["--simulate", "--simulate-step-ms", str(c.simulate_step_ms)]
+                                 if c.simulate_worker else [])])
         tok_args = ["--model", c.model_dir, "--host", "127.0.0.1", "--port", str(self.tokenizer_port)]
         if c.chat_template:
             tok_args += ["--chat-template", c.chat_template]
@@ -78,11 +95,21 @@ class Mesh:
                                   "--port", str(self.scheduler_port), "--max-num-seqs", str(c.max_num_seqs),
                                   "--max-num-batched-tokens", str(c.max_num_batched_tokens),
                                   "--block-size", str(c.block_size), "--served-model-name", c.served_model_name,
+                                  "--scheduling-policy", c.scheduling_policy,
+                                  "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
+                                  "--async-scheduling" if c.async_scheduling else "--no-async-scheduling",
                                   *engine_args])
-        self._spawn("gateway", ["--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
+        embedder_args = []
+        if c.embedding_model_dir:
+            self._spawn("embedder", ["--model", c.embedding_model_dir, "--host", "127.0.0.1",
+                                     "--port", str(self.embedder_port), "--device", c.device])
+            embedder_args = ["--embedder-addr", f"127.0.0.1:{self.embedder_port}"]
+        self._spawn("gateway", [*embedder_args, "--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
                                 "--tokenizer-addr", f"127.0.0.1:{self.tokenizer_port}",
                                 "--engine-addr", f"127.0.0.1:{self.scheduler_port}",
-                                "--served-model-name", c.served_model_name])
+                                "--served-model-name", c.served_model_name,
+                                *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
+                                *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else [])])
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -91,6 +118,8 @@ class Mesh:
         from services.common.grpc_server import wait_ready
         checks = [("worker", f"127.0.0.1:{self.worker_grpc_port}"), ("tokenizer", f"127.0.0.1:{self.tokenizer_port}"),
                   ("scheduler", f"127.0.0.1:{self.scheduler_port}"), ("gateway", f"{self.cfg.host}:{self.cfg.grpc_port}")]
+        if self.embedder_port is not None:
+            checks.append(("embedder", f"127.0.0.1:{self.embedder_port}"))
         deadline = time.monotonic() + self.cfg.ready_timeout_s
 
         async def wait_all() -> None:
@@ -113,7 +142,7 @@ class Mesh:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first, so no new work arrives), then SIGKILL stragglers."""
-        for name in ("gateway", "scheduler", "tokenizer", "worker"):
+        for name in ("gateway", "embedder", "scheduler", "tokenizer", "worker"):
             p = self.procs.get(name)
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -144,7 +173,8 @@ def run_mesh(cfg: MeshConfig) -> int:
         print(f"meshllm is up: OpenAI API http://{cfg.host}:{cfg.port}/v1 (health: /health), "
               f"gRPC {cfg.host}:{cfg.grpc_port}, model {cfg.served_model_name!r}. Ctrl-C stops it.", flush=True)
         print(f"meshllm services: tokenizer=127.0.0.1:{mesh.tokenizer_port} scheduler=127.0.0.1:{mesh.scheduler_port} "
-              f"worker={mesh.worker_addr} worker-health=127.0.0.1:{mesh.worker_grpc_port}", flush=True)
+              f"worker={mesh.worker_addr} worker-health=127.0.0.1:{mesh.worker_grpc_port}"
+              + (f" embedder=127.0.0.1:{mesh.embedder_port}" if mesh.embedder_port else ""), flush=True)
         while True:
             mesh.check_alive()
             time.sleep(0.5)

@@ -2,8 +2,9 @@
 
   meshllm up [serve flags]            prepare the bundled model and serve it (what `make serve` runs)
   meshllm serve MODEL_DIR [flags]     the whole mesh on one machine, like `vllm serve`
-  meshllm models prepare smollm2      fetch and convert the bundled model
-  meshllm gateway|tokenizer|scheduler|worker [flags]   one service on its own
+  meshllm models prepare smollm2      fetch and convert the bundled model (minilm: the embedding model)
+  meshllm bench serve|compare [flags]  load-test an OpenAI/gRPC endpoint; compare two results
+  meshllm gateway|tokenizer|scheduler|worker|embedder [flags]   one service on its own
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import sys
 
 from services.cli.legacy_flags import check_legacy_flags
 
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder")
 BUNDLED_MODEL = "smollm2"
+BUNDLED_EMBEDDING_MODEL = "minilm"
 
 
 def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
@@ -32,7 +34,23 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks to allocate (overrides the memory size)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of identical prompt prefixes (on by default)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan step N+1 while the worker runs step N (on by default)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the model's")
+    p.add_argument("--embedding-model", default=None,
+                   help="a BERT-style model directory served on /v1/embeddings "
+                        "(meshllm up: the bundled all-MiniLM-L6-v2)")
+    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                   help="split <think>...</think> into reasoning_content")
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                   help="parse tool calls out of chat output (needed for `tools`)")
+    p.add_argument("--simulate-worker", action="store_true",
+                   help="a no-compute worker (pseudo-random tokens), to measure the frontend alone")
+    p.add_argument("--simulate-step-ms", type=float, default=0.0, help="simulated worker: time per step")
     return p
 
 
@@ -42,7 +60,12 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       served_model_name=a.served_model_name or default_name, device=a.device, dtype=a.dtype,
                       max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                      kv_cache_memory_gb=a.kv_cache_memory_gb, chat_template=a.chat_template)
+                      kv_cache_memory_gb=a.kv_cache_memory_gb, chat_template=a.chat_template,
+                      embedding_model_dir=a.embedding_model,
+                      reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
+                      num_kv_blocks=a.num_kv_blocks, scheduling_policy=a.scheduling_policy,
+                      enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
+                      simulate_worker=a.simulate_worker, simulate_step_ms=a.simulate_step_ms)
 
 
 def cmd_serve(argv: list[str], bundled: bool) -> int:
@@ -53,6 +76,8 @@ def cmd_serve(argv: list[str], bundled: bool) -> int:
     if bundled:
         from services.models import prepare_model
         model_dir = str(prepare_model(BUNDLED_MODEL))
+        if a.embedding_model is None:
+            a.embedding_model = str(prepare_model(BUNDLED_EMBEDDING_MODEL))
         name = "smollm2-135m-instruct"
     else:
         model_dir = a.model
@@ -86,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(rest, bundled=False)
     if cmd == "models":
         return cmd_models(rest)
+    if cmd == "bench":
+        from services.benchmark.main import main as bench_main
+        return bench_main(rest)
     if cmd in SERVICES:
         return importlib.import_module(f"services.{cmd}.main").main(rest)
     print(f"meshllm: unknown command {cmd!r}\n\n{__doc__.strip()}", file=sys.stderr)

@@ -2,6 +2,8 @@
 import services  # noqa: F401  (puts the generated code on sys.path)
 
 from meshllm.v1 import common_pb2 as common  # noqa: E402
+from meshllm.v1 import embed_pb2 as embed  # noqa: E402
+from meshllm.v1 import embed_pb2_grpc as embed_grpc  # noqa: E402
 from meshllm.v1 import engine_pb2 as engine  # noqa: E402
 from meshllm.v1 import engine_pb2_grpc as engine_grpc  # noqa: E402
 from meshllm.v1 import generation_pb2 as generation  # noqa: E402
@@ -12,5 +14,5 @@ from meshllm.v1 import step_pb2 as step  # noqa: E402
 from meshllm.v1 import tokenizer_pb2 as tokenizer  # noqa: E402
 from meshllm.v1 import tokenizer_pb2_grpc as tokenizer_grpc  # noqa: E402
 
-__all__ = ["common", "engine", "engine_grpc", "generation", "generation_grpc", "health",
+__all__ = ["common", "embed", "embed_grpc", "engine", "engine_grpc", "generation", "generation_grpc", "health",
            "health_grpc", "step", "tokenizer", "tokenizer_grpc"]

@@ -11,6 +11,7 @@ class GatewayConfig:
     grpc_port: int = 50051            # public gRPC API + health; 0 = a free port
     tokenizer_addr: str = "127.0.0.1:50052"
     engine_addr: str = "127.0.0.1:50053"
+    embedder_addr: str = ""           # the embedder's gRPC address; "": no /v1/embeddings
     served_model_name: str = "smollm2-135m-instruct"
     max_body_bytes: int = 4 * 1024 * 1024
     max_inflight_requests: int = 4096  # bounds every per-request map in the gateway
@@ -19,8 +20,17 @@ class GatewayConfig:
     tokenizer_timeout_s: float = 30.0
     shutdown_grace_s: float = 2.0
     log_level: str = "INFO"
+    reasoning_parser: str | None = None   # deepseek_r1 | qwen3
+    tool_call_parser: str | None = None   # hermes | llama3_json
 
     def __post_init__(self) -> None:
+        from services.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         for name in ("port", "grpc_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -29,6 +39,8 @@ class GatewayConfig:
             value = getattr(self, name)
             if not value or ":" not in value:
                 raise ValueError(f"--{name.replace('_', '-')} must be HOST:PORT, got {value!r}")
+        if self.embedder_addr and ":" not in self.embedder_addr:
+            raise ValueError(f"--embedder-addr must be HOST:PORT, got {self.embedder_addr!r}")
         if not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
         if self.max_body_bytes < 1024:

@@ -36,6 +36,7 @@ class Delta:
     error: ApiError | None = None             # set on the last delta of a failed request
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int = 0
+    token_strings: dict[int, str] = field(default_factory=dict)  # ids in logprobs -> text
 
     @property
     def last(self) -> bool:
@@ -56,6 +57,7 @@ class RequestHandle:
         self._client = client
         self._prefix = list(prompt_ids[-DETOKENIZE_PREFIX_TOKENS:])
         self._skip_special = sampling.skip_special_tokens
+        self._want_token_strings = sampling.HasField("logprobs")
         self._stop_token_ids = set(sampling.stop_token_ids)
         self._matcher = StopStringMatcher(list(sampling.stop), sampling.include_stop_str_in_output)
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -83,6 +85,10 @@ class RequestHandle:
         item = pb.tokenizer.DetokenizeItem(request_id=self.request_id,
                                            new_token_ids=out.new_token_ids,
                                            skip_special_tokens=self._skip_special, finished=done)
+        if self._want_token_strings and out.logprobs:
+            ids = {lp.token_id for lp in out.logprobs}
+            ids.update(t.token_id for lp in out.logprobs for t in lp.top)
+            item.token_string_ids.extend(sorted(ids))
         if not self._detok_started:
             item.prefix_token_ids.extend(self._prefix)
             self._detok_started = True
@@ -90,11 +96,13 @@ class RequestHandle:
             self._engine_done = self._detok_done = True
         return item
 
-    def _deliver(self, out: "pb.engine.RequestOutput", text: str) -> None:
+    def _deliver(self, out: "pb.engine.RequestOutput", text: str,
+                 token_strings: dict[int, str] | None = None) -> None:
         self.num_completion_tokens += len(out.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         delta = Delta(text=self._matcher.feed(text), token_ids=list(out.new_token_ids),
-                      logprobs=list(out.logprobs), num_cached_tokens=self.num_cached_tokens)
+                      logprobs=list(out.logprobs), num_cached_tokens=self.num_cached_tokens,
+                      token_strings=token_strings or {})
         reason = out.finish_reason
         if self._matcher.stopped is not None:
             delta.finish_reason, delta.stop_reason = "stop", self._matcher.stopped
@@ -288,7 +296,7 @@ class EngineClient:
         while True:
             outputs, fut = await self._steps.get()
             try:
-                texts = {o.request_id: o.text_delta for o in await fut}
+                detok = {o.request_id: o for o in await fut}
             except ApiError as err:
                 for out in outputs:
                     self.abort(out.request_id, err)
@@ -298,7 +306,9 @@ class EngineClient:
                 if handle is None:
                     continue
                 try:
-                    handle._deliver(out, texts.get(out.request_id, ""))
+                    d = detok.get(out.request_id)
+                    handle._deliver(out, d.text_delta if d else "",
+                                    dict(d.token_strings) if d else None)
                 except Exception as err:  # one bad output fails one request, not the gateway
                     log.exception("failed to deliver an output of %s", out.request_id)
                     self.abort(out.request_id, ApiError("internal", f"gateway error: {err!r}"))

@@ -7,8 +7,10 @@ import time
 import grpc
 
 from services.common import pb
-from services.gateway.engine_client import RequestHandle
+from services.gateway.choices import ChoiceGroup
+from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
+from services.gateway.sampling import MAX_N
 from services.gateway.service import Gateway, new_request_id, sane_client_id
 
 log = logging.getLogger("meshllm.gateway.grpc")
@@ -26,13 +28,19 @@ def _chat_args(chat: "pb.generation.ChatInput") -> tuple[bool, bool]:
     return add, chat.continue_final_message
 
 
+async def _tokenize_chat(gw: Gateway, chat: "pb.generation.ChatInput") -> list[int]:
+    add, cont = _chat_args(chat)
+    return await gw.tokenize_chat(chat.messages, add, cont, tools_json=chat.tools_json,
+                                  chat_template_kwargs_json=chat.chat_template_kwargs_json)
+
+
 class GenerationServicer(pb.generation_grpc.GenerationServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.started = int(time.time())
         # Requests started through this API (the only ones its Abort may touch); bounded by
         # the engine client's in-flight limit, cleaned when each stream ends.
-        self._active: dict[str, RequestHandle] = {}
+        self._active: dict[str, ChoiceGroup] = {}
 
     async def _prompt_ids(self, request: "pb.generation.GenerateRequest") -> list[int]:
         which = request.WhichOneof("input")
@@ -41,8 +49,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
         if which == "token_ids":
             return list(request.token_ids.ids)
         if which == "chat":
-            add, cont = _chat_args(request.chat)
-            return await self.gw.tokenize_chat(request.chat.messages, add, cont)
+            return await _tokenize_chat(self.gw, request.chat)
         raise ApiError("invalid_argument", "input must be one of text, token_ids or chat")
 
     async def Generate(self, request, context):
@@ -55,25 +62,35 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             self.gw.check_model(request.model)
             sampling = pb.common.SamplingParams()
             sampling.CopyFrom(request.sampling)
+            n = request.n or 1
+            if not 1 <= n <= MAX_N:
+                raise ApiError("invalid_argument", f"n must be in [1, {MAX_N}], got {n}",
+                               param="n")
             prompt_ids = await self._prompt_ids(request)
-            handle = self.gw.start(rid, prompt_ids, sampling, cache_salt=request.cache_salt,
-                                   priority=request.priority)
+            handle = ChoiceGroup(rid, self.gw.start_n(rid, prompt_ids, sampling, n,
+                                                      cache_salt=request.cache_salt,
+                                                      priority=request.priority))
             self._active[rid] = handle
-            async for delta in handle:
+            remaining = n
+            async for index, delta in handle:
                 if delta.error is not None:
                     raise delta.error
                 resp = pb.generation.GenerateResponse(
                     request_id=rid, text=delta.text, token_ids=delta.token_ids,
-                    logprobs=delta.logprobs)
+                    logprobs=delta.logprobs, index=index)
                 if delta.last:
+                    one = handle.handles[index]
                     resp.finish_reason = _FINISH[delta.finish_reason]
                     resp.stop_reason = "" if delta.stop_reason is None else str(delta.stop_reason)
                     resp.usage.CopyFrom(pb.common.Usage(
-                        prompt_tokens=handle.num_prompt_tokens,
-                        completion_tokens=handle.num_completion_tokens,
-                        total_tokens=handle.num_prompt_tokens + handle.num_completion_tokens,
-                        cached_prompt_tokens=handle.num_cached_tokens))
+                        prompt_tokens=one.num_prompt_tokens,
+                        completion_tokens=one.num_completion_tokens,
+                        total_tokens=one.num_prompt_tokens + one.num_completion_tokens,
+                        cached_prompt_tokens=one.num_cached_tokens))
+                    remaining -= 1
                 yield resp
+                if not remaining:
+                    break
         except ApiError as err:
             outcome = f"error:{err.kind}"
             await context.abort(err.grpc_status, err.message)
@@ -98,8 +115,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             if which == "text":
                 ids = await self.gw.tokenizer.encode(request.text, request.add_special_tokens)
             elif which == "chat":
-                add, cont = _chat_args(request.chat)
-                ids = await self.gw.tokenize_chat(request.chat.messages, add, cont)
+                ids = await _tokenize_chat(self.gw, request.chat)
             else:
                 raise ApiError("invalid_argument", "input must be one of text or chat")
         except ApiError as err:
@@ -110,7 +126,10 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         return pb.generation.ListModelsResponse(models=[pb.generation.ModelCard(
             id=self.gw.model_name, created=self.started, owned_by="meshllm",
-            max_model_len=self.gw.max_model_len)])
+            max_model_len=self.gw.max_model_len), *self.gw.embeddings.grpc_model_cards(self.started)])
+
+    async def Embed(self, request, context):
+        return await grpc_embed(self.gw.embeddings, request, context)
 
     async def Abort(self, request, context):
         aborted = 0

@@ -4,16 +4,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import pb
-from services.gateway.engine_client import Delta, RequestHandle
+from services.gateway.chat_tools import plan_tools, template_kwargs_json
+from services.gateway.choices import ChoiceSpec
+from services.gateway.engine_client import RequestHandle
 from services.gateway.errors import ApiError
-from services.gateway.openai_format import Formatter, sse
+from services.gateway.http_generate import generate
+from services.gateway.http_tokenize import add_tokenize_routes
+from services.gateway.parsers import make_output_parser
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.service import Gateway, new_request_id, sane_client_id
 
@@ -104,40 +107,6 @@ async def _watch(request: Request, handle: RequestHandle, awaitable):
     raise ClientGone()
 
 
-async def _collect(first: Delta, deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
-    parts, last = [first.text], first
-    while not last.last:
-        last = await anext(deltas)
-        parts.append(last.text)
-    return "".join(parts), last
-
-
-async def _sse(fmt: Formatter, handle: RequestHandle, first: Delta,
-               deltas: AsyncIterator[Delta], state) -> AsyncIterator[str]:
-    try:
-        if fmt.chat:
-            yield fmt.role_chunk()
-        delta = first
-        while True:
-            if delta.error is not None:
-                state.outcome = f"error:{delta.error.kind}"
-                yield sse(delta.error.to_openai())
-                break
-            if delta.text or delta.last:
-                yield fmt.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason)
-            if delta.last:
-                break
-            delta = await anext(deltas)
-        if fmt.include_usage:
-            yield fmt.usage_chunk(handle)
-        yield sse("[DONE]")
-    except asyncio.CancelledError:
-        state.outcome = "client_disconnected"
-        raise
-    finally:
-        handle.abort()  # no-op when it finished; stops it in the engine otherwise
-
-
 def create_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="meshllm gateway", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
@@ -172,58 +141,61 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list",
+                             "data": [model_card(), *gw.embeddings.model_cards(started)]})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
+        if model == gw.embeddings.model_name:
+            return JSONResponse(gw.embeddings.model_cards(started)[0])
         gw.check_model(model)
         return JSONResponse(model_card())
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        body = await read_body(request, gw.config.max_body_bytes)
+        return JSONResponse(await gw.embeddings.create_openai(body, request.state.request_id))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_body(request, gw.config.max_body_bytes))
         gw.check_model(req.model)
         sampling = req.to_sampling()
-        prompt_ids = (await gw.tokenize_text(req.prompt) if isinstance(req.prompt, str)
-                      else req.prompt)
-        return await _generate(request, req, new_request_id("cmpl"), prompt_ids, sampling,
-                               chat=False)
+        if isinstance(req.prompt, str):
+            prompt_ids = await gw.tokenize_text(req.prompt)
+            echo = req.prompt if req.echo else ""
+        else:
+            prompt_ids = req.prompt
+            echo = (await gw.tokenizer.decode([prompt_ids], False))[0] if req.echo and prompt_ids else ""
+        spec = ChoiceSpec(chat=False, logprobs=req.logprobs is not None, echo=echo)
+        return await _generate(request, req, new_request_id("cmpl"), prompt_ids, sampling, spec)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_body(request, gw.config.max_body_bytes))
         gw.check_model(req.model)
         sampling = req.to_sampling()
-        prompt_ids = await gw.tokenize_chat(req.to_chat_messages(), req.add_generation_prompt,
-                                            req.continue_final_message)
+        plan = plan_tools(req.tools, req.tool_choice, gw.config.tool_call_parser)
+        prompt_ids = await gw.tokenize_chat(
+            req.to_chat_messages(), req.add_generation_prompt, req.continue_final_message,
+            tools_json=plan.tools_json,
+            chat_template_kwargs_json=template_kwargs_json(req.chat_template_kwargs))
+        cfg = gw.config
+        tool_parser = cfg.tool_call_parser if plan.parse_tool_calls else None
+        spec = ChoiceSpec(chat=True, logprobs=bool(req.logprobs),
+                          new_parser=lambda: make_output_parser(cfg.reasoning_parser, tool_parser,
+                                                                allowed_tools=plan.allowed_names))
         return await _generate(request, req, new_request_id("chatcmpl"), prompt_ids, sampling,
-                               chat=True)
+                               spec)
 
     async def _generate(request: Request, req, request_id: str, prompt_ids: list[int],
-                        sampling: "pb.common.SamplingParams", chat: bool) -> Response:
-        handle = gw.start(request_id, prompt_ids, sampling,
-                          prompt_param="messages" if chat else "prompt")
-        request.state.handle = handle
-        fmt = Formatter(chat, request_id, int(time.time()), req.model or gw.model_name,
-                        include_usage=req.include_usage)
-        deltas = aiter(handle)
-        try:
-            # Wait for the first step before committing to 200, so early failures get a status.
-            first = await _watch(request, handle, anext(deltas))
-            if first.error is not None:
-                raise first.error
-            if req.stream:
-                return StreamingResponse(_sse(fmt, handle, first, deltas, request.state),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            text, last = await _watch(request, handle, _collect(first, deltas))
-        except ClientGone:
-            request.state.outcome = "client_disconnected"
-            return Response(status_code=499)
-        if last.error is not None:
-            raise last.error
-        return JSONResponse(fmt.full(text, last.finish_reason, last.stop_reason, handle))
+                        sampling: "pb.common.SamplingParams", spec: ChoiceSpec) -> Response:
+        return await generate(request, gw, _watch, ClientGone, request_id=request_id,
+                              model=req.model or gw.model_name, prompt_ids=prompt_ids,
+                              sampling=sampling, n=req.num_choices, stream=bool(req.stream),
+                              include_usage=req.include_usage, spec=spec)
 
+    add_tokenize_routes(app, gw)
     return app
 
 

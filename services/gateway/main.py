@@ -15,6 +15,8 @@ from services.common.grpc_server import bind, make_server
 from services.common.log import setup_logging
 from services.common.procs import install_stop_handlers
 from services.gateway.config import GatewayConfig
+from services.gateway.embedder_client import EmbedderClient
+from services.gateway.embeddings import Embeddings
 from services.gateway.engine_client import EngineClient
 from services.gateway.grpc_api import SERVICE_NAME, add_to_server
 from services.gateway.http_app import create_app, with_request_context
@@ -30,6 +32,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0 = any)")
     p.add_argument("--tokenizer-addr", default=d.tokenizer_addr)
     p.add_argument("--engine-addr", default=d.engine_addr, help="the scheduler's gRPC address")
+    p.add_argument("--embedder-addr", default=d.embedder_addr,
+                   help="the embedder's gRPC address (default: none, /v1/embeddings answers 404)")
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-inflight-requests", type=int, default=d.max_inflight_requests)
@@ -37,6 +41,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                    help="on SIGTERM, how long running requests may finish before being aborted")
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3")
+    p.add_argument("--tool-call-parser", default=None, help="hermes | llama3_json")
     args = p.parse_args(argv)
     try:
         return GatewayConfig(**vars(args))
@@ -90,7 +96,9 @@ async def serve(config: GatewayConfig) -> int:
     log = setup_logging("gateway", config.log_level)
     tokenizer = TokenizerClient(config.tokenizer_addr, config.tokenizer_timeout_s)
     engine = EngineClient(config.engine_addr, tokenizer, config.max_inflight_requests)
-    gw = Gateway(config, tokenizer, engine)
+    embedder = EmbedderClient(config.embedder_addr) if config.embedder_addr else None
+    gw = Gateway(config, tokenizer, engine,
+                 embeddings=Embeddings(embedder, config.served_model_name))
 
     server, health = make_server("gateway", [SERVICE_NAME])
     add_to_server(server, gw)
@@ -103,6 +111,8 @@ async def serve(config: GatewayConfig) -> int:
                                  access_log=False, lifespan="off",
                                  timeout_graceful_shutdown=5))
     engine.start()
+    if embedder is not None:
+        embedder.start()
     tasks = [asyncio.create_task(uv.serve(sockets=[sock]), name="uvicorn"),
              asyncio.create_task(_readiness(gw, health, log), name="readiness")]
     print(f"gateway http listening on http://{config.host}:{http_port}", flush=True)
@@ -123,6 +133,8 @@ async def serve(config: GatewayConfig) -> int:
         task.cancel()
     await server.stop(grace=2)
     await engine.close()
+    if embedder is not None:
+        await embedder.close()
     await tokenizer.close()
     sock.close()
     return 0

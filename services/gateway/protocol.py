@@ -4,12 +4,14 @@ Type errors become a readable 400 (never FastAPI's 422); unknown fields are igno
 OpenAI does. Range checks live in sampling.py so the gRPC API shares them."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from services.common import pb
 from services.gateway.errors import ApiError, invalid
+from services.gateway.sampling import MAX_LOGPROBS, MAX_N
 
 
 
@@ -67,9 +69,17 @@ class _SamplingFields(BaseModel):
     def _effective_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        """Top logprobs per token for the engine (None: no logprobs)."""
+        return None
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
     def check_unsupported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise invalid(f"n={self.n} is not supported yet: only n=1 is", "n")
+        if not 1 <= self.num_choices <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of={self.best_of} is not supported yet: only 1 is", "best_of")
 
@@ -108,6 +118,8 @@ class _SamplingFields(BaseModel):
         )
         if self.seed is not None:
             sp.seed = self.seed
+        if self._logprobs() is not None:
+            sp.logprobs = self._logprobs()
         for tid in self.stop_token_ids or []:
             if not 0 <= tid < 2 ** 31:
                 raise invalid(f"stop_token_ids contains an invalid id {tid}", "stop_token_ids")
@@ -150,12 +162,17 @@ class CompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise invalid("echo is not supported yet", "echo")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.logprobs is not None:
-            raise invalid("logprobs are not supported yet by the HTTP API", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                          "logprobs")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo together with logprobs (prompt logprobs) is not supported yet; "
+                          "use one or the other", "echo")
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -169,6 +186,8 @@ class ChatMessageIn(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # assistant turns that called tools
+    tool_call_id: str | None = None                  # tool turns: the call answered
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -192,6 +211,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def _effective_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -200,20 +223,29 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise invalid("logprobs are not supported yet by the HTTP API", "logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                              f"{self.top_logprobs}", "top_logprobs")
+            if self.top_logprobs and not self.logprobs:
+                raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format other than text is not supported yet",
-                          "response_format")
+            raise invalid(f"response_format {self.response_format.get('type')!r}: structured "
+                          "output is not supported yet", "response_format")
         if not self.messages:
             raise invalid("messages must contain at least one message", "messages")
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid("add_generation_prompt and continue_final_message cannot both be "
                           "true", "continue_final_message")
 
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def to_chat_messages(self) -> list["pb.common.ChatMessage"]:
-        return [pb.common.ChatMessage(role=m.role, content=m.text(i), name=m.name or "")
-                for i, m in enumerate(self.messages)]
+        return [pb.common.ChatMessage(
+            role=m.role, content=m.text(i), name=m.name or "",
+            tool_calls_json=json.dumps(m.tool_calls) if m.tool_calls else "",
+            tool_call_id=m.tool_call_id or "") for i, m in enumerate(self.messages)]
 
 
 def describe_validation_error(err: ValidationError) -> ApiError:

@@ -11,6 +11,7 @@ from services.common import pb
 from services.gateway.errors import invalid
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request (each is its own engine request)
 
 
 @dataclass(frozen=True)

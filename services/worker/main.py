@@ -28,6 +28,11 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--served-model-name", default="", help="model name reported to the scheduler")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: all cores)")
     p.add_argument("--log-level", default=None, help="DEBUG logs one line per step")
+    p.add_argument("--simulate", action="store_true",
+                   help="no model, no torch: speak the step protocol and sample pseudo-random tokens "
+                        "(to measure the gateway, tokenizer and scheduler alone)")
+    p.add_argument("--simulate-step-ms", type=float, default=0.0, help="simulated time of one step")
+    p.add_argument("--simulate-token-ms", type=float, default=0.0, help="simulated time per scheduled token")
     a = p.parse_args(argv)
     setup_logging("worker", a.log_level)
     try:
@@ -35,7 +40,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                             device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                             kv_cache_memory_gb=a.kv_cache_memory_gb, num_kv_blocks=a.num_kv_blocks,
                             block_size=a.block_size, served_model_name=a.served_model_name,
-                            num_threads=a.num_threads)
+                            num_threads=a.num_threads, simulate=a.simulate,
+                            simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -46,5 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     # shares cores with the other services; sleeping threads cost little. Must be set before
     # torch (and its OpenMP runtime) is loaded; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if cfg.simulate:
+        from services.worker.simulated import serve as serve_simulated
+        return asyncio.run(serve_simulated(cfg))
     from services.worker.server import serve  # torch import only after the flags are valid
     return asyncio.run(serve(cfg))

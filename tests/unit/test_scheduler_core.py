@@ -3,52 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core import FinishReason, Request, Scheduler, SchedulerConfig, SampledTokens, StepResult
+from services.scheduler.core import FinishReason, Request, Scheduler, SchedulerConfig, StepResult
 
-VOCAB = 1000
-EOS = 999
-
-
-def next_token(history: list[int]) -> int:
-    """A deterministic stand-in for a model: the next token depends on the whole history."""
-    h = 7
-    for t in history:
-        h = (h * 31 + t) % 998_244_353
-    return h % (VOCAB - 1)  # never EOS unless a test forces it
-
-
-class FakeWorker:
-    """Replays plans like the real worker: keeps token lists per request from the diffs."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.forced: dict[str, list[int]] = {}
-
-    def run(self, plan) -> StepResult:
-        for rid in plan.finished_ids:
-            self.tokens.pop(rid, None)
-            self.blocks.pop(rid, None)
-        sampled = []
-        for r in plan.new_requests:
-            assert r.request_id not in self.tokens, "a new request the worker already holds"
-            self.tokens[r.request_id] = list(r.token_ids)
-            self.blocks[r.request_id] = list(r.block_ids)
-        for r in plan.cached_requests:
-            self.blocks[r.request_id].extend(r.new_block_ids)
-        for r in [*plan.new_requests, *plan.cached_requests]:
-            toks = self.tokens[r.request_id]
-            end = r.num_computed_tokens + r.num_scheduled_tokens
-            assert end <= len(toks)
-            assert len(self.blocks[r.request_id]) * 4 >= end, "KV blocks do not cover the scheduled tokens"
-            if end == len(toks):
-                forced = self.forced.get(r.request_id)
-                tok = forced.pop(0) if forced else next_token(toks)
-                toks.append(tok)
-                sampled.append(SampledTokens(r.request_id, [tok]))
-            else:
-                sampled.append(SampledTokens(r.request_id, []))
-        return StepResult(plan.step_id, sampled)
+from tests.unit.scheduler_sim import EOS, VOCAB, FakeWorker, drive
 
 
 def make(num_blocks=64, **kw) -> Scheduler:
@@ -57,19 +14,7 @@ def make(num_blocks=64, **kw) -> Scheduler:
 
 
 def run_to_completion(s: Scheduler, worker: FakeWorker, max_steps=10_000):
-    outputs: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    plans = []
-    for _ in range(max_steps):
-        if not s.has_work():
-            break
-        plan = s.schedule()
-        plans.append(plan)
-        for out in s.update(plan, worker.run(plan)):
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason:
-                reasons[out.request_id] = out.finish_reason
-    return outputs, reasons, plans
+    return drive(s, worker, max_steps=max_steps)
 
 
 def req(rid, n_prompt, max_tokens, **kw) -> Request:

@@ -28,12 +28,19 @@ class Request:
     min_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int = 0                         # lower runs first under the priority policy
+    cache_salt: str = ""                      # requests with different salts never share blocks
     arrival_seq: int = 0                      # FCFS order, set by the scheduler
     trace: Any = None
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0              # tokens whose KV is in the cache
+    # Tokens whose KV is computed or scheduled: advanced when a step is planned.
+    num_computed_tokens: int = 0
+    # Tokens sampled by planned steps whose results have not arrived (async scheduling).
+    num_inflight_tokens: int = 0
+    num_cached_prompt_tokens: int = 0         # prefix-cache hit at first admission
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0                # leading blocks registered in the prefix cache
     num_blocks_sent: int = 0                  # block ids the worker already knows
     worker_has_state: bool = False
     status: RequestStatus = RequestStatus.WAITING
@@ -42,6 +49,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those the worker will have sampled by the next planned step."""
+        return self.num_tokens + self.num_inflight_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

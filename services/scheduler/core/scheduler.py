@@ -1,18 +1,23 @@
-"""Token-budget continuous batching over a paged KV block pool.
+"""Token-budget continuous batching over a paged KV block pool with prefix caching.
 
-No prefill/decode phases: every request has `num_computed_tokens` and `num_tokens`, and
-each step spends `max_num_batched_tokens` and `max_num_seqs`, running requests first, then
-waiting ones (FCFS); prompts longer than the remaining budget are chunked. When blocks run
-out the latest-admitted running request is preempted by recompute."""
+No prefill/decode phases: every request has `num_computed_tokens` and `num_tokens`, and each
+step spends `max_num_batched_tokens` and `max_num_seqs`, running requests first, then waiting
+ones; prompts longer than the remaining budget are chunked, so decodes never stall behind them.
+When blocks run out, the latest (FCFS) or lowest-priority request is preempted by recompute.
+
+Async scheduling: `num_computed_tokens` advances when a step is planned, and a planned step
+that reaches the end of a request's known tokens counts one in-flight token. The next step can
+therefore be planned before the previous result arrives: the worker feeds the token it sampled
+itself. A token sampled after a request stopped is dropped in `update`."""
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-from services.scheduler.core.block_pool import BlockPool
+from services.scheduler.core.kv_cache_manager import HashFn, KVCacheManager, chained_block_hash
 from services.scheduler.core.request import FinishReason, Request, RequestStatus
 from services.scheduler.core.types import (CachedRequestPlan, NewRequestPlan, RequestOutput, StepPlan,
                                            StepResult)
+from services.scheduler.core.waiting_queue import make_waiting_queue
 
 
 @dataclass
@@ -22,24 +27,29 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     max_waiting: int = 65536           # bound on queued requests (admission control)
+    policy: str = "fcfs"               # "fcfs" or "priority"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, eos_token_ids: frozenset[int],
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, hash_fn: HashFn = chained_block_hash) -> None:
         self.config = config
-        self.pool = BlockPool(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
+        self.pool = self.kv.pool
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
-        self._pending_finished_ids: list[str] = []   # worker state to drop in the next plan
+        self._pending_finished_ids: list[str] = []       # worker state to drop in the next plan
         self._pending_outputs: list[RequestOutput] = []  # rejections and aborts, sent with the next step
         self._step_id = 0
         self._arrivals = 0
@@ -63,7 +73,7 @@ class Scheduler:
         req.arrival_seq = self._arrivals
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
         return None
 
     def _validate(self, req: Request) -> str | None:
@@ -84,7 +94,8 @@ class Scheduler:
             req.max_tokens = cfg.max_model_len - n
         if req.min_tokens < 0 or req.min_tokens > req.max_tokens:
             return f"min_tokens ({req.min_tokens}) must be between 0 and max_tokens ({req.max_tokens})"
-        if self._blocks_for(min(n + req.max_tokens, cfg.max_model_len)) > self.pool.num_blocks:
+        # +1: with async scheduling a request may hold a slot for one token past its stop.
+        if self.kv.blocks_for(min(n + req.max_tokens + 1, cfg.max_model_len)) > self.pool.num_blocks:
             # It could never run to completion even alone: better to say so now.
             return (f"prompt + max_tokens needs more KV cache than the engine has "
                     f"({self.pool.num_blocks} blocks of {cfg.block_size} tokens)")
@@ -94,7 +105,7 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, FinishReason.ABORT)
+                self._finish(req)
                 self._pending_outputs.append(RequestOutput(rid, [], FinishReason.ABORT,
                                                            num_prompt_tokens=len(req.prompt_token_ids)))
 
@@ -108,83 +119,92 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._pending_finished_ids or self._pending_outputs)
+        return bool(self.running or len(self.waiting) or self._pending_finished_ids or self._pending_outputs)
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         out, self._pending_outputs = self._pending_outputs, []
         return out
 
     # ---- planning -----------------------------------------------------------------------
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
+    def _may_grow(self, req: Request) -> bool:
+        """False once the tokens already planned reach max_tokens or the context length."""
+        if req.num_computed_tokens < req.num_tokens:
+            return True  # prompt (or resumed) tokens still to compute
+        n_out = len(req.output_token_ids) + req.num_inflight_tokens
+        return n_out < req.max_tokens and req.num_planned_tokens < self.config.max_model_len
 
-    def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
-        need = self._blocks_for(num_tokens) - len(req.block_ids)
-        if need <= 0:
-            return True
-        got = self.pool.allocate(need)
-        if got is None:
-            return False
-        req.block_ids.extend(got)
-        return True
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_seq))
+        return self.running[-1]
 
     def _preempt(self, victim: Request) -> None:
-        """Recompute-style preemption: drop its KV, requeue it at the front."""
+        """Recompute-style preemption: drop its KV (cached blocks stay cached), requeue it."""
         self.running.remove(victim)
-        self.pool.free(victim.block_ids)
-        victim.block_ids = []
+        self.kv.free(victim)
         victim.num_blocks_sent = 0
         victim.num_computed_tokens = 0
+        victim.num_inflight_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if victim.worker_has_state:
             self._pending_finished_ids.append(victim.request_id)
             victim.worker_has_state = False
-        self.waiting.appendleft(victim)
+        self.waiting.requeue(victim)
 
     def schedule(self) -> StepPlan:
         self._step_id += 1
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: dict[int, tuple[Request, int]] = {}   # id(req) -> (req, tokens this step)
         preempted = False
 
-        # Running requests first, oldest first; the newest is preempted when blocks run out.
+        # Running requests first, in admission order.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(req.num_planned_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0 or not self._may_grow(req):
                 i += 1
                 continue
-            while not self._ensure_blocks(req, req.num_computed_tokens + num_new):
-                victim = self.running[-1]
+            while not self.kv.allocate(req, req.num_computed_tokens + num_new):
+                victim = self._pick_victim()
+                undone = scheduled.pop(id(victim), None)
+                if undone is not None:
+                    budget += undone[1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break
-            scheduled.append((req, num_new))
+                continue  # `req` itself was preempted; the list shifted under `i`
+            scheduled[id(req)] = (req, num_new)
             budget -= num_new
-            i += 1
+            i = self.running.index(req) + 1  # earlier victims may have shifted the list
 
-        # Then waiting requests, FCFS, while budgets last (not in a step that had to preempt).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._ensure_blocks(req, req.num_computed_tokens + num_new):
+        # Then waiting requests while budgets last (never in a step that had to preempt).
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            cached = self.kv.find_cached_prefix(req)
+            num_computed = len(cached) * cfg.block_size
+            num_new = min(req.num_tokens - num_computed, budget)
+            if not self.kv.allocate(req, num_computed + num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            self.kv.stats.queries += req.num_tokens
+            self.kv.stats.hits += num_computed
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = num_computed
+            req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append((req, num_new))
+            scheduled[id(req)] = (req, num_new)
             budget -= num_new
 
         plan = StepPlan(self._step_id, finished_ids=self._pending_finished_ids)
         self._pending_finished_ids = []
-        for req, num_new in scheduled:
+        for req, num_new in scheduled.values():
             if not req.worker_has_state:
                 plan.new_requests.append(NewRequestPlan(
                     req.request_id, req.all_token_ids, list(req.block_ids), req.sampling,
@@ -194,48 +214,55 @@ class Scheduler:
                 plan.cached_requests.append(CachedRequestPlan(
                     req.request_id, req.block_ids[req.num_blocks_sent:], req.num_computed_tokens, num_new))
             req.num_blocks_sent = len(req.block_ids)
+            plan.incarnations[req.request_id] = (req.arrival_seq, req.num_preemptions)
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_planned_tokens:
+                req.num_inflight_tokens += 1   # this step samples a token
         return plan
 
     # ---- results ------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
-        scheduled = {r.request_id: r.num_scheduled_tokens for r in plan.new_requests}
-        scheduled.update({r.request_id: r.num_scheduled_tokens for r in plan.cached_requests})
-        if result.error is not None:
-            for rid in scheduled:
-                req = self.requests.get(rid)
-                if req is not None and req.status is RequestStatus.RUNNING:
-                    self._finish(req, FinishReason.ERROR)
-                    outputs.append(RequestOutput(rid, [], FinishReason.ERROR, "internal",
-                                                 f"the worker failed the step: {result.error}",
-                                                 num_prompt_tokens=len(req.prompt_token_ids)))
-            return outputs
-
+        entries = [(r.request_id, r.num_computed_tokens + r.num_scheduled_tokens) for r in plan.new_requests]
+        entries += [(r.request_id, r.num_computed_tokens + r.num_scheduled_tokens) for r in plan.cached_requests]
         sampled = {s.request_id: s for s in result.sampled}
-        for rid, num_new in scheduled.items():
+        for rid, computed_end in entries:
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran: its tokens are dropped
-            req.num_computed_tokens += num_new
+                continue  # finished, aborted or preempted after this step was planned: drop
+            if (req.arrival_seq, req.num_preemptions) != plan.incarnations.get(rid):
+                continue  # planned for an earlier incarnation of this request
+            if result.error is not None:
+                self._finish(req)
+                outputs.append(RequestOutput(rid, [], FinishReason.ERROR, "internal",
+                                             f"the worker failed the step: {result.error}",
+                                             num_prompt_tokens=len(req.prompt_token_ids)))
+                continue
             s = sampled.get(rid)
-            if s is None or not s.token_ids:
-                continue  # a prompt chunk that does not reach the end of the prompt
-            new_ids: list[int] = []
-            reason = None
-            stop_id = -1
-            for tok in s.token_ids:
-                req.output_token_ids.append(tok)
-                new_ids.append(tok)
-                reason = req.check_stop(tok, self.eos_token_ids, self.config.max_model_len)
-                if reason is not None:
-                    stop_id = tok if reason == FinishReason.STOP else -1
-                    break
-            out = RequestOutput(rid, new_ids, reason, logprobs=list(s.logprobs or []),
-                                num_prompt_tokens=len(req.prompt_token_ids), stop_token_id=stop_id)
-            if reason is not None:
-                self._finish(req, reason)
-            outputs.append(out)
+            if s is not None and s.token_ids:
+                outputs.append(self._append_tokens(req, s))
+            if req.status is RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(req, computed_end)
         return outputs
+
+    def _append_tokens(self, req: Request, s) -> RequestOutput:
+        new_ids: list[int] = []
+        reason = None
+        stop_id = -1
+        for tok in s.token_ids:
+            req.num_inflight_tokens = max(0, req.num_inflight_tokens - 1)
+            req.output_token_ids.append(tok)
+            new_ids.append(tok)
+            reason = req.check_stop(tok, self.eos_token_ids, self.config.max_model_len)
+            if reason is not None:
+                stop_id = tok if reason == FinishReason.STOP else -1
+                break
+        out = RequestOutput(req.request_id, new_ids, reason, logprobs=list(s.logprobs or [])[:len(new_ids)],
+                            num_prompt_tokens=len(req.prompt_token_ids),
+                            num_cached_tokens=req.num_cached_prompt_tokens, stop_token_id=stop_id)
+        if reason is not None:
+            self._finish(req)
+        return out
 
     def fail_all(self, code: str, message: str) -> list[RequestOutput]:
         """Finish every request with an error (the worker lost its state)."""
@@ -243,20 +270,26 @@ class Scheduler:
         for req in list(self.requests.values()):
             outputs.append(RequestOutput(req.request_id, [], FinishReason.ERROR, code, message,
                                          num_prompt_tokens=len(req.prompt_token_ids)))
-            self._finish(req, FinishReason.ERROR)
+            self._finish(req)
         self._pending_finished_ids = []  # the worker that held them is gone
         return outputs
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request) -> None:
+        """Release everything at once: blocks go back to the pool (cached ones stay cached)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+        self.kv.free(req)
         if req.worker_has_state:
             self._pending_finished_ids.append(req.request_id)
             req.worker_has_state = False
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
+
+    # ---- metrics ------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Engine state for metrics: counts, KV usage and prefix-cache counters."""
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting), "kv_usage": self.pool.usage,
+                "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
+                "num_preemptions": self.num_preemptions}

@@ -35,6 +35,8 @@ class StepPlan:
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     cached_requests: list[CachedRequestPlan] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # request id -> (arrival_seq, num_preemptions) when planned; never sent to the worker.
+    incarnations: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

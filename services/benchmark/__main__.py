@@ -1,0 +1,3 @@
+from services.benchmark.main import main
+
+raise SystemExit(main())

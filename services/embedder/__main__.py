@@ -1,0 +1,3 @@
+from services.embedder.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""`tools` / `tool_choice` / `chat_template_kwargs` of a chat request -> what the template
+gets and how the output is parsed.
+
+Guarantee without structured output: `required` and a named function render the tools
+(only the named one) and parse the output with the tool-call parser; only calls to the
+allowed functions become `tool_calls` (others stay content). The model is not forced to
+call a tool: when it does not, the reply is content with finish_reason "stop"."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import invalid
+
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools_json: str                   # for the chat template; "" = no tools rendered
+    parse_tool_calls: bool
+    allowed_names: set[str] | None    # None = any rendered tool
+
+
+def _tool_name(tool: Any, i: int) -> str:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+            or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                      "{\"name\": ..., \"parameters\": {...}}}", "tools")
+    return fn["name"]
+
+
+def plan_tools(tools: list[dict] | None, tool_choice: Any, tool_parser: str | None) -> ToolPlan:
+    tools = tools or []
+    if len(tools) > MAX_TOOLS:
+        raise invalid(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}", "tools")
+    names = [_tool_name(t, i) for i, t in enumerate(tools)]
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return ToolPlan("", False, None)
+    if not tools:
+        raise invalid(f"tool_choice {choice!r} needs a non-empty tools list", "tool_choice")
+    if not tool_parser:
+        raise invalid("tool calling needs the server started with --tool-call-parser "
+                      "(hermes or llama3_json)", "tools")
+    if choice in ("auto", "required"):
+        return ToolPlan(json.dumps(tools), True, set(names))
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise invalid(f"tool_choice names function {name!r}, which is not in tools",
+                          "tool_choice")
+        return ToolPlan(json.dumps([tools[names.index(name)]]), True, {name})
+    raise invalid("tool_choice must be 'none', 'auto', 'required' or "
+                  "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def template_kwargs_json(kwargs: dict[str, Any] | None) -> str:
+    """The request's chat_template_kwargs as JSON for the tokenizer, which refuses names
+    the render sets itself (its INVALID_ARGUMENT comes back as a 400)."""
+    if not kwargs:
+        return ""
+    try:
+        return json.dumps(kwargs)
+    except (TypeError, ValueError) as e:
+        raise invalid(f"chat_template_kwargs must be plain JSON: {e}", "chat_template_kwargs")

@@ -1,0 +1,110 @@
+"""One OpenAI (chat) completion request over HTTP: start its n choices, then answer with
+one JSON body or an SSE stream that interleaves the choices' chunks as they come."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.common import pb
+from services.gateway.choices import ChoiceBuilder, ChoiceGroup, ChoiceSpec
+from services.gateway.engine_client import Delta
+from services.gateway.openai_format import sse, usage
+from services.gateway.service import Gateway
+
+# (request, group, awaitable) -> its result; aborts the group and raises when the client leaves
+Watch = Callable[[Request, ChoiceGroup, Awaitable], Awaitable]
+
+
+class _Body:
+    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool) -> None:
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.whole_object = "chat.completion" if chat else "text_completion"
+        self.id, self.model, self.created = request_id, model, int(time.time())
+        self.include_usage = include_usage
+
+    def envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def chunk(self, choices: list) -> str:
+        body = self.envelope(self.object, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+
+async def _stream(body: _Body, group: ChoiceGroup, builders: list[ChoiceBuilder],
+                  first: tuple[int, Delta], state) -> AsyncIterator[str]:
+    try:
+        for b in builders:
+            for choice in b.opening():
+                yield body.chunk([choice])
+        index, delta = first
+        while True:
+            if delta.error is not None:
+                state.outcome = f"error:{delta.error.kind}"
+                yield sse(delta.error.to_openai())
+                break
+            for choice in builders[index].stream(delta):
+                yield body.chunk([choice])
+            if all(b.done for b in builders):
+                if body.include_usage:
+                    yield sse({**body.envelope(body.object, []), "usage": usage(group)})
+                break
+            index, delta = await anext(group)
+        yield sse("[DONE]")
+    except asyncio.CancelledError:
+        state.outcome = "client_disconnected"
+        raise
+    finally:
+        group.abort()  # no-op for finished choices; stops the rest in the engine
+
+
+async def _collect(group: ChoiceGroup, builders: list[ChoiceBuilder],
+                   first: tuple[int, Delta]) -> None:
+    index, delta = first
+    while True:
+        if delta.error is not None:
+            raise delta.error
+        builders[index].add(delta)
+        if all(b.done for b in builders):
+            return
+        index, delta = await anext(group)
+
+
+async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: type[Exception], *,
+                   request_id: str, model: str, prompt_ids: list[int],
+                   sampling: "pb.common.SamplingParams", n: int, stream: bool,
+                   include_usage: bool, spec: ChoiceSpec) -> Response:
+    handles = gw.start_n(request_id, prompt_ids, sampling, n,
+                         prompt_param="messages" if spec.chat else "prompt")
+    group = ChoiceGroup(request_id, handles)
+    request.state.handle = group
+    builders = [ChoiceBuilder(i, spec) for i in range(n)]
+    body = _Body(spec.chat, request_id, model, include_usage)
+    aiter(group)
+    try:
+        # Wait for the first step before committing to 200, so early failures get a status.
+        first = await watch(request, group, anext(group))
+        if first[1].error is not None:
+            group.abort()
+            raise first[1].error
+        if stream:
+            return StreamingResponse(_stream(body, group, builders, first, request.state),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        await watch(request, group, _collect(group, builders, first))
+    except client_gone:
+        request.state.outcome = "client_disconnected"
+        return Response(status_code=499)
+    except BaseException:
+        group.abort()
+        raise
+    group.abort()
+    out = body.envelope(body.whole_object, [b.whole() for b in builders])
+    out["usage"] = usage(group)
+    return JSONResponse(out)
