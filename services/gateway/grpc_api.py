@@ -126,7 +126,8 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         return pb.generation.ListModelsResponse(models=[pb.generation.ModelCard(
             id=self.gw.model_name, created=self.started, owned_by="meshllm",
-            max_model_len=self.gw.max_model_len), *self.gw.embeddings.grpc_model_cards(self.started)])
+            max_model_len=self.gw.max_model_len),
+            *await self.gw.embeddings.grpc_model_cards(self.started)])
 
     async def Embed(self, request, context):
         return await grpc_embed(self.gw.embeddings, request, context)

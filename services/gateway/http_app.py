@@ -142,12 +142,13 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list",
-                             "data": [model_card(), *gw.embeddings.model_cards(started)]})
+                             "data": [model_card(), *await gw.embeddings.model_cards(started)]})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
-        if model == gw.embeddings.model_name:
-            return JSONResponse(gw.embeddings.model_cards(started)[0])
+        embedding_cards = await gw.embeddings.model_cards(started, model)
+        if embedding_cards:
+            return JSONResponse(embedding_cards[0])
         gw.check_model(model)
         return JSONResponse(model_card())
 

@@ -46,26 +46,36 @@ def plan_to_proto(plan: StepPlan) -> pb.step.WorkerRequest:
             nr.sampling.CopyFrom(r.sampling)
         if r.trace is not None:
             nr.trace.CopyFrom(r.trace)
+    add = msg.cached_requests.add
     for r in plan.cached_requests:
-        msg.cached_requests.add(request_id=r.request_id, new_block_ids=r.new_block_ids,
-                                num_computed_tokens=r.num_computed_tokens,
-                                num_scheduled_tokens=r.num_scheduled_tokens)
+        # Hot path (every running request, every step): pass only non-empty fields.
+        if r.new_block_ids:
+            add(request_id=r.request_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens)
+        else:
+            add(request_id=r.request_id, num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens)
     return pb.step.WorkerRequest(plan=msg)
 
 
 def result_from_proto(msg: pb.step.StepResult) -> StepResult:
     error = (msg.error.message or "worker error") if msg.HasField("error") else None
     return StepResult(step_id=msg.step_id, error=error,
-                      sampled=[SampledTokens(o.request_id, list(o.token_ids), list(o.logprobs))
+                      sampled=[SampledTokens(o.request_id, list(o.token_ids), o.logprobs or None)
                                for o in msg.outputs])
 
 
 def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.OutputBatch:
     batch = pb.engine.OutputBatch(step_id=step_id)
+    add = batch.outputs.add
     for o in outputs:
-        ro = batch.outputs.add(request_id=o.request_id, new_token_ids=o.new_token_ids,
-                               finish_reason=_FINISH[o.finish_reason], num_prompt_tokens=o.num_prompt_tokens,
-                               num_cached_tokens=o.num_cached_tokens, stop_token_id=o.stop_token_id)
+        # Hot path: zero-valued fields are left out (cheaper to build, same on the wire).
+        ro = add(request_id=o.request_id, new_token_ids=o.new_token_ids, num_prompt_tokens=o.num_prompt_tokens,
+                 stop_token_id=o.stop_token_id)
+        if o.finish_reason is not None:
+            ro.finish_reason = _FINISH[o.finish_reason]
+        if o.num_cached_tokens:
+            ro.num_cached_tokens = o.num_cached_tokens
         if o.logprobs:
             ro.logprobs.extend(o.logprobs)
         if o.error_code is not None:

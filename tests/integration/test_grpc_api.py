@@ -26,7 +26,7 @@ def test_chat_input_list_models_and_tokenize(mesh):
     with grpc.insecure_channel(mesh.grpc_addr) as ch:
         stub = pb.generation_grpc.GenerationStub(ch)
         models = stub.ListModels(pb.generation.ListModelsRequest(), timeout=30)
-        assert [m.id for m in models.models] == [mesh.model_name]
+        assert [m.id for m in models.models] == [mesh.model_name, "all-minilm-l6-v2"]
         assert models.models[0].max_model_len == 2048
         tok = stub.Tokenize(pb.generation.TokenizeRequest(model=mesh.model_name, text="hello world"), timeout=30)
         assert tok.count == len(tok.token_ids) > 0

@@ -66,10 +66,11 @@ def test_grpc_cancel_aborts_the_request(mesh):
     assert wait_idle(mesh) < 5.0
 
 
-def test_killing_the_launcher_leaves_no_service_running(smollm2_dir):
-    m = start_mesh(str(smollm2_dir), "--max-model-len", "512")
+def test_killing_the_launcher_leaves_no_service_running(smollm2_dir, minilm_dir):
+    m = start_mesh(str(smollm2_dir), "--max-model-len", "512", "--embedding-model", str(minilm_dir))
     pids = m.service_pids()
-    assert len(pids) == 4, f"expected 4 service processes, found {pids}"
+    # worker, tokenizer, scheduler, embedder, gateway
+    assert len(pids) == 5, f"expected 5 service processes, found {pids}"
     os.kill(m.proc.pid, signal.SIGKILL)
     m.proc.wait()
     deadline = time.monotonic() + 15

@@ -67,20 +67,35 @@ def test_malformed_bodies_give_readable_400s(raw, needle, param):
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"),
-    ({"echo": True}, "echo"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"echo": True, "logprobs": 2}, "echo"),
+    ({"logprobs": 21}, "logprobs"),
 ])
 def test_unsupported_or_out_of_range_parameters_are_rejected(fields, param):
     req = parse_body(CompletionRequest, body(prompt="x", **fields))
     assert error_of(req.to_sampling)["param"] == param
 
 
-def test_n_greater_than_one_has_a_clear_message():
-    req = parse_body(CompletionRequest, body(prompt="x", n=3))
-    assert "only n=1" in error_of(req.to_sampling)["message"]
+def test_n_and_logprobs_reach_the_engine_params():
+    req = parse_body(CompletionRequest, body(prompt="x", n=3, logprobs=2))
+    assert req.num_choices == 3 and req.to_sampling().logprobs == 2
+    chat = parse_body(ChatCompletionRequest, body(messages=[{"role": "user", "content": "x"}],
+                                                  logprobs=True, top_logprobs=4))
+    assert chat.to_sampling().logprobs == 4
+    plain = parse_body(ChatCompletionRequest, body(messages=[{"role": "user", "content": "x"}]))
+    assert not plain.to_sampling().HasField("logprobs")
+
+
+@pytest.mark.parametrize("fmt", ["json_object", "json_schema"])
+def test_structured_output_is_rejected_with_a_clear_message(fmt):
+    req = parse_body(ChatCompletionRequest, body(messages=[{"role": "user", "content": "x"}],
+                                                 response_format={"type": fmt}))
+    err = error_of(req.to_sampling)
+    assert "structured output is not supported yet" in err["message"]
+    assert err["param"] == "response_format"
 
 
 def test_chat_messages_with_text_parts_are_joined_and_max_completion_tokens_wins():

@@ -19,7 +19,7 @@ class FinishReason:
     ERROR = "error"
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: requests are compared in list.remove/index
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,19 +45,24 @@ class Request:
     worker_has_state: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # prompt + outputs, kept in step with output_token_ids by append_output() (hot path).
+    all_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_planned_tokens(self) -> int:
         """Known tokens plus those the worker will have sampled by the next planned step."""
         return self.num_tokens + self.num_inflight_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def check_stop(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
         """Finish reason after `token_id` was appended, or None to keep going."""

@@ -164,12 +164,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_planned_tokens - req.num_computed_tokens, budget)
+            planned = len(req.all_token_ids) + req.num_inflight_tokens
+            num_new = min(planned - req.num_computed_tokens, budget)
             if num_new <= 0 or not self._may_grow(req):
                 i += 1
                 continue
             while not self.kv.allocate(req, req.num_computed_tokens + num_new):
                 victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1  # an earlier request leaves the list: `req` moves down one
                 undone = scheduled.pop(id(victim), None)
                 if undone is not None:
                     budget += undone[1]
@@ -178,10 +181,10 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                continue  # `req` itself was preempted; the list shifted under `i`
+                continue  # `req` itself was preempted; `i` already points at the next one
             scheduled[id(req)] = (req, num_new)
             budget -= num_new
-            i = self.running.index(req) + 1  # earlier victims may have shifted the list
+            i += 1
 
         # Then waiting requests while budgets last (never in a step that had to preempt).
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -207,7 +210,7 @@ class Scheduler:
         for req, num_new in scheduled.values():
             if not req.worker_has_state:
                 plan.new_requests.append(NewRequestPlan(
-                    req.request_id, req.all_token_ids, list(req.block_ids), req.sampling,
+                    req.request_id, list(req.all_token_ids), list(req.block_ids), req.sampling,
                     req.num_computed_tokens, num_new, len(req.output_token_ids), req.trace))
                 req.worker_has_state = True
             else:
@@ -223,14 +226,16 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
-        entries = [(r.request_id, r.num_computed_tokens + r.num_scheduled_tokens) for r in plan.new_requests]
-        entries += [(r.request_id, r.num_computed_tokens + r.num_scheduled_tokens) for r in plan.cached_requests]
         sampled = {s.request_id: s for s in result.sampled}
-        for rid, computed_end in entries:
-            req = self.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
+        requests, incarnations = self.requests, plan.incarnations
+        running = RequestStatus.RUNNING
+        block_size = self.config.block_size
+        for r in (*plan.new_requests, *plan.cached_requests):
+            rid = r.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not running:
                 continue  # finished, aborted or preempted after this step was planned: drop
-            if (req.arrival_seq, req.num_preemptions) != plan.incarnations.get(rid):
+            if (req.arrival_seq, req.num_preemptions) != incarnations.get(rid):
                 continue  # planned for an earlier incarnation of this request
             if result.error is not None:
                 self._finish(req)
@@ -241,7 +246,8 @@ class Scheduler:
             s = sampled.get(rid)
             if s is not None and s.token_ids:
                 outputs.append(self._append_tokens(req, s))
-            if req.status is RequestStatus.RUNNING:
+            computed_end = r.num_computed_tokens + r.num_scheduled_tokens
+            if req.status is running and computed_end // block_size > req.num_cached_blocks:
                 self.kv.cache_computed_blocks(req, computed_end)
         return outputs
 
@@ -249,15 +255,18 @@ class Scheduler:
         new_ids: list[int] = []
         reason = None
         stop_id = -1
+        eos, max_len = self.eos_token_ids, self.config.max_model_len
         for tok in s.token_ids:
-            req.num_inflight_tokens = max(0, req.num_inflight_tokens - 1)
-            req.output_token_ids.append(tok)
+            if req.num_inflight_tokens:
+                req.num_inflight_tokens -= 1
+            req.append_output(tok)
             new_ids.append(tok)
-            reason = req.check_stop(tok, self.eos_token_ids, self.config.max_model_len)
+            reason = req.check_stop(tok, eos, max_len)
             if reason is not None:
                 stop_id = tok if reason == FinishReason.STOP else -1
                 break
-        out = RequestOutput(req.request_id, new_ids, reason, logprobs=list(s.logprobs or [])[:len(new_ids)],
+        out = RequestOutput(req.request_id, new_ids, reason,
+                            logprobs=list(s.logprobs)[:len(new_ids)] if s.logprobs else [],
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=req.num_cached_prompt_tokens, stop_token_id=stop_id)
         if reason is not None:
