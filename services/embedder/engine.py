@@ -6,7 +6,6 @@ length so short texts are not padded to the longest one of a big batch.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,6 @@ import tokenizers
 import torch
 
 from services.embedder.bert import BertConfigError, load_bert
-
-log = logging.getLogger("meshllm.embedder.engine")
 
 
 class InvalidInput(ValueError):

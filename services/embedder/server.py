@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common import pb
-from services.common.grpc_server import ServiceHealth, bind, make_server
+from services.common.grpc_server import bind, make_server
 from services.embedder.batcher import MicroBatcher, QueueFull
 from services.embedder.config import EmbedderConfig
 from services.embedder.engine import EmbeddingEngine, InvalidInput, Item
@@ -126,7 +126,7 @@ async def serve(config: EmbedderConfig, stop: asyncio.Event) -> int:
                                max_queued_items=config.max_queued_items)
         batcher.start()
         servicer.attach(engine, batcher)
-        log.info("loaded %s as %r: dims=%d max_model_len=%d vocab=%d pooling=%s on %s/%s in %.1f s",
+        log.info("loaded %s as %r: dims=%d max_model_len=%d vocab=%d pooling=%s on %s/%s in %.2f s",
                  config.model, config.served_model_name, engine.dimensions, engine.max_model_len,
                  engine.vocab_size, engine.model.cfg.pooling, config.device, config.torch_dtype,
                  time.perf_counter() - started)
