@@ -60,6 +60,9 @@ def test_scheduler_invariants_hold_under_random_workloads(specs, num_blocks, bud
         step += 1
         assert step < 5000, "the scheduler did not drain: a request waits forever"
     outputs, reasons = d.outputs, d.reasons
+    for plan in d.plans:
+        assert plan.num_scheduled_tokens <= budget, "the token budget was exceeded"
+        assert len(plan.scheduled_ids) <= max_seqs, "max_num_seqs was exceeded"
     check_invariants(s)
     assert s.pool.num_free == s.pool.num_blocks, "blocks did not all come back"
     assert not s.requests
