@@ -54,9 +54,9 @@ class ChoiceGroup:
         return await self._queue.get()
 
     def abort(self) -> None:
-        """Stop every choice (no-op for finished ones) and the pumps."""
-        for task in self._pumps:
-            task.cancel()
+        """Stop every choice (no-op for finished ones). Each aborted handle still delivers
+        its final (cancelled) delta, so a reader of the group sees the end and the pumps
+        finish on their own."""
         for handle in self.handles:
             handle.abort()
 

@@ -23,6 +23,7 @@ class WorkerConfig:
     block_size: int = 16               # initial block size; WorkerHello may change it
     served_model_name: str = ""        # "": the model directory's name
     num_threads: int = 0               # 0: every core this process may run on
+    enforce_eager: bool = False        # CUDA: no CUDA graphs for decode steps
     log_every_s: float = 10.0
     simulate: bool = False             # no model: services/worker/simulated.py
     simulate_step_ms: float = 0.0      # simulated time per step ...

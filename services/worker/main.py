@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--block-size", type=int, default=16, help="initial KV block size (WorkerHello may change it)")
     p.add_argument("--served-model-name", default="", help="model name reported to the scheduler")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: all cores)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--log-level", default=None, help="DEBUG logs one line per step")
     p.add_argument("--simulate", action="store_true",
                    help="no model, no torch: speak the step protocol and sample pseudo-random tokens "
@@ -40,7 +42,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                             device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                             kv_cache_memory_gb=a.kv_cache_memory_gb, num_kv_blocks=a.num_kv_blocks,
                             block_size=a.block_size, served_model_name=a.served_model_name,
-                            num_threads=a.num_threads, simulate=a.simulate,
+                            num_threads=a.num_threads, enforce_eager=a.enforce_eager, simulate=a.simulate,
                             simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms)
     except ValueError as exc:
         p.error(str(exc))

@@ -58,7 +58,8 @@ class _Scheduled:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, model_name: str, kv_cache_bytes: int,
-                 num_kv_blocks: int | None = None, block_size: int = 16) -> None:
+                 num_kv_blocks: int | None = None, block_size: int = 16,
+                 enforce_eager: bool = False, max_num_tokens: int = 16384) -> None:
         self.model = model
         self.model_name = model_name
         self.kv_cache_bytes = kv_cache_bytes
@@ -67,6 +68,9 @@ class ModelRunner:
         self.block_size = 0
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
+        self.gpu = None  # GpuExecutor on CUDA devices (Triton kernels, CUDA graphs)
+        self.enforce_eager = enforce_eager        # CUDA only: no graphs
+        self.max_num_tokens = max_num_tokens      # CUDA only: size of the input buffers
         self.allocate_kv_cache(block_size)
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -77,12 +81,19 @@ class ModelRunner:
         if num_blocks < 1:
             raise PlanError("the KV cache budget holds no block; raise --kv-cache-memory-gb")
         self.kv_caches = []  # free the old cache before allocating the new one
+        self.gpu = None      # its graphs point into the old cache
         shape = self.model.kv_cache_shape(num_blocks, block_size)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN garbage there
         # would leak through the masked softmax.
         self.kv_caches = [torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
                           for _ in range(self.model.cfg.num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
+        if self.model.device.type == "cuda":
+            # imports triton: GPU only
+            from services.worker.gpu_exec import DEFAULT_GRAPH_SIZES, GpuExecutor
+            self.gpu = GpuExecutor(self.model, self.kv_caches, block_size,
+                                   max_num_tokens=self.max_num_tokens,
+                                   graph_sizes=None if self.enforce_eager else DEFAULT_GRAPH_SIZES)
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
                  num_blocks * self.model.kv_bytes_per_block(block_size) / 2**30)
 
@@ -163,6 +174,9 @@ class ModelRunner:
             total += r.num_scheduled_tokens
         if live > self.max_requests:
             raise PlanError(f"{live} live requests exceed the worker's limit of {self.max_requests}")
+        if self.gpu is not None and (total > self.gpu.max_tokens or len(seen) > self.gpu.max_seqs):
+            raise PlanError(f"{total} tokens / {len(seen)} sequences in one step exceed the worker's "
+                            f"{self.gpu.max_tokens} / {self.gpu.max_seqs}")
         if total > self.num_blocks * self.block_size:
             raise PlanError(f"{total} tokens in one step exceed the KV cache ({self.num_blocks} blocks)")
         return sampling
@@ -233,17 +247,14 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(s)
-        device = self.model.device
-        meta = build_attn_metadata(seqs, self.block_size, device, self.model.cfg.sliding_window)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=device),
-                                    torch.tensor(positions, dtype=torch.long, device=device),
-                                    meta, self.kv_caches)                          # [T, H]
+        if self.gpu is not None:
+            logits = self.gpu.run(ids, positions, seqs, sample_rows)                       # [N, V]
+        else:
+            logits = self._forward_reference(ids, positions, seqs, sample_rows)
         for s in order:
             s.state.num_computed_tokens = s.end
         if not sample_rows:
             return {}
-        last = hidden.index_select(0, torch.tensor(sample_rows, device=device))            # [N, H]
-        logits = self.model.compute_logits(last)                                           # [N, V]
         rows = [SampleRow(s.state.sampling, s.state.token_ids, s.state.num_output_tokens,
                           s.state.base_seed) for s in sampling_seqs]
         tokens = sample(logits, rows, self.model.cfg.eos_token_ids)
@@ -253,6 +264,19 @@ class ModelRunner:
             s.state.num_output_tokens += 1
             out[s.state.request_id] = tok
         return out
+
+    def _forward_reference(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
+                           sample_rows: list[int]) -> torch.Tensor | None:
+        """The torch reference forward (CPU path) -> float32 logits [N, V] of the sampling rows."""
+        device = self.model.device
+        meta = build_attn_metadata(seqs, self.block_size, device, self.model.cfg.sliding_window)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=device),
+                                    torch.tensor(positions, dtype=torch.long, device=device),
+                                    meta, self.kv_caches)                          # [T, H]
+        if not sample_rows:
+            return None
+        last = hidden.index_select(0, torch.tensor(sample_rows, device=device))            # [N, H]
+        return self.model.compute_logits(last)
 
 
 def describe_device(device: torch.device) -> str:

@@ -66,7 +66,8 @@ class Engine:
         self.runner = ModelRunner(model, model_name=self.cfg.served_model_name,
                                   kv_cache_bytes=self.cfg.kv_cache_bytes,
                                   num_kv_blocks=self.cfg.num_kv_blocks or None,
-                                  block_size=self.cfg.block_size)
+                                  block_size=self.cfg.block_size,
+                                  enforce_eager=self.cfg.enforce_eager)
         log.info("model %s ready in %.1fs on %s (%s, %d threads), max_model_len %d",
                  self.cfg.served_model_name, time.monotonic() - t0, self.cfg.device,
                  str(model.dtype).removeprefix("torch."), torch.get_num_threads(), model.max_model_len)

@@ -34,9 +34,9 @@ def test_oversized_body_is_a_413_in_openai_shape(http, mesh):
     assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
 
 
-def test_n_above_one_is_rejected_with_a_clear_message(http, mesh):
-    r = http.post("/v1/completions", json={"model": mesh.model_name, "prompt": "Hi", "n": 2})
-    assert r.status_code == 400 and "n=1" in r.json()["error"]["message"]
+def test_n_above_the_limit_is_rejected_with_a_clear_message(http, mesh):
+    r = http.post("/v1/completions", json={"model": mesh.model_name, "prompt": "Hi", "n": 17})
+    assert r.status_code == 400 and "n must be in [1, 16]" in r.json()["error"]["message"]
 
 
 def test_health_and_models_report_the_context_length(http, mesh):

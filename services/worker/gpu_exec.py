@@ -1,0 +1,144 @@
+"""GPU step execution: persistent device input buffers, the Triton forward, CUDA graphs for
+decode-only steps (padded batch buckets).
+
+Per step the host writes the flattened inputs into two pinned staging buffers and copies each to
+its persistent device twin in one asynchronous copy; every kernel reads views of those buffers,
+so a captured graph replays on whatever the last copy put there. The only host synchronisation
+of a step is reading the sampled ids (sampling.py).
+
+Device buffers (N = max_num_tokens, S = max_num_seqs, MB = max blocks per sequence):
+  i64  [3, N]: input ids, positions, slot mapping (-1 = padding: the KV write skips it)
+  i32  [S * MB + (S + 1) + S]: block tables [S, MB], query start locations [S + 1], seq lens [S]
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from services.worker.attention import SeqSchedule
+from services.worker.kernels.attention import decode_splits
+from services.worker.models.llama import LlamaModel
+from services.worker.models.llama_triton import KernelAttnInputs, forward_triton
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class GpuExecutor:
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int, *,
+                 max_num_tokens: int = 8192, max_num_seqs: int = 512,
+                 graph_sizes: Sequence[int] | None = DEFAULT_GRAPH_SIZES) -> None:
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.max_tokens, self.max_seqs = max_num_tokens, max_num_seqs
+        self.max_blocks = -(-model.max_model_len // block_size)
+        dev = model.device
+        s, mb = max_num_seqs, self.max_blocks
+        self.i64 = torch.zeros(3, max_num_tokens, dtype=torch.long, device=dev)
+        self.i32 = torch.zeros(s * mb + 2 * s + 1, dtype=torch.int32, device=dev)
+        # Pinned staging so the copies are asynchronous (CPU runs, under the Triton interpreter in
+        # tests, use plain memory).
+        pin = dev.type == "cuda"
+        self.h64 = torch.zeros(self.i64.shape, dtype=torch.long, pin_memory=pin)
+        self.h32 = torch.zeros(self.i32.shape, dtype=torch.int32, pin_memory=pin)
+        self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
+        self.n_tables = self.n32[:s * mb].reshape(s, mb)
+        self.n_qsl = self.n32[s * mb:s * mb + s + 1]
+        self.n_lens = self.n32[s * mb + s + 1:]
+        self.tables = self.i32[:s * mb].view(s, mb)
+        self.qsl = self.i32[s * mb:s * mb + s + 1]
+        self.lens = self.i32[s * mb + s + 1:]
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if pin else 4
+        self.graph_sizes = sorted(b for b in (graph_sizes or ()) if b <= max_num_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], pad_to: int = 0) -> None:
+        """Fill the pinned buffers and copy them to the device (async, stream-ordered)."""
+        t, n = len(ids), len(seqs)
+        bs = self.block_size
+        self.n64[0, :t] = ids
+        pos = np.asarray(positions, dtype=np.int64)
+        self.n64[1, :t] = pos
+        counts = np.empty(n, dtype=np.int64)
+        for i, sq in enumerate(seqs):
+            nb = -(-sq.context_len // bs)
+            self.n_tables[i, :nb] = sq.block_ids[:nb]
+            self.n_lens[i] = sq.context_len
+            counts[i] = sq.num_scheduled_tokens
+        self.n_qsl[1:n + 1] = np.cumsum(counts)
+        seq_of_token = np.repeat(np.arange(n), counts)                            # [T]
+        slots = self.n64[2]
+        slots[:t] = self.n_tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        self.n_qsl[0] = 0
+        if pad_to > n:  # CUDA-graph padding rows: one token each, context 0, slot -1
+            self.n64[0:2, t:pad_to] = 0
+            slots[t:pad_to] = -1
+            self.n_lens[n:pad_to] = 0
+            self.n_qsl[n + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - n)
+        self.i64.copy_(self.h64, non_blocking=True)
+        self.i32.copy_(self.h32, non_blocking=True)
+
+    def _attn(self, num_tokens: int, num_seqs: int, max_query_len: int) -> KernelAttnInputs:
+        splits = decode_splits(num_seqs, self.model.cfg.num_kv_heads, self.num_sms) if max_query_len == 1 else 1
+        return KernelAttnInputs(self.i64[2, :num_tokens], self.tables[:num_seqs], self.qsl[:num_seqs + 1],
+                                self.lens[:num_seqs], max_query_len, splits)
+
+    # ---- execution ------------------------------------------------------------------------
+    def run(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
+            sample_rows: list[int]) -> torch.Tensor | None:
+        """One step -> float32 logits [len(sample_rows), V] of the rows that sample (None: none)."""
+        t, n = len(ids), len(seqs)
+        if t > self.max_tokens or n > self.max_seqs:
+            raise ValueError(f"step of {t} tokens / {n} sequences exceeds the executor's "
+                             f"{self.max_tokens} / {self.max_seqs}")
+        decode_only = t == n and len(sample_rows) == n
+        bucket = next((b for b in self.graph_sizes if b >= n), None) if decode_only else None
+        if bucket is not None:
+            self._stage(ids, positions, seqs, pad_to=bucket)
+            graph, logits = self.graphs.get(bucket) or self._capture(bucket)
+            graph.replay()
+            return logits[:n]
+        self._stage(ids, positions, seqs)
+        if not sample_rows:
+            self._forward(t, n, max(s.num_scheduled_tokens for s in seqs))
+            return None
+        hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs))
+        rows = self.i64.new_tensor(sample_rows) if sample_rows != list(range(t)) else None
+        last = hidden if rows is None else hidden.index_select(0, rows)
+        return self.model.compute_logits(last)
+
+    def _forward(self, t: int, n: int, max_query_len: int) -> torch.Tensor:
+        return forward_triton(self.model, self.i64[0, :t], self.i64[1, :t],
+                              self._attn(t, n, max_query_len), self.kv_caches)
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture forward + logits of a decode step of b rows (inputs already staged)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
+            for _ in range(2):
+                self.model.compute_logits(self._forward(b, b, 1))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.compute_logits(self._forward(b, b, 1))
+        self.graphs[b] = (graph, logits)
+        log.info("captured decode CUDA graph for batch %d", b)
+        return graph, logits
+
+    def capture_all(self, sizes: Sequence[int] | None = None) -> None:
+        """Capture every bucket up front (largest first, so smaller ones reuse its pool)."""
+        for b in sorted(sizes or self.graph_sizes, reverse=True):
+            if b not in self.graphs:
+                dummy = [SeqSchedule([0], 0, 1)] * b
+                self._stage([0] * b, [0] * b, dummy)
+                self.n64[2, :b] = -1  # never write the cache while warming up
+                self.i64.copy_(self.h64, non_blocking=True)
+                self._capture(b)

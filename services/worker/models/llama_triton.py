@@ -1,0 +1,66 @@
+"""The Llama-family forward on a GPU through the Triton kernels (services/worker/kernels/).
+
+Same math as LlamaModel.forward (the torch reference, which stays the CPU path and the oracle),
+fused where it saves a pass over the activations: RoPE rotates q and k in place inside the fused
+qkv output, K/V go straight from that buffer into the paged cache, residual-add + RMSNorm is one
+kernel, SiLU·mul another. GEMMs are cuBLAS through torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.kernels.attention import paged_attention, write_kv
+from services.worker.kernels.elementwise import add_rms_norm, rope_, silu_mul
+from services.worker.models.llama import LlamaModel, rope_cos_sin
+
+
+@dataclass
+class KernelAttnInputs:
+    """Per-step attention inputs, device tensors (views of the executor's persistent buffers)."""
+
+    slot_mapping: torch.Tensor      # [T] long: cache slot of each token (-1: padding, not written)
+    block_tables: torch.Tensor      # [S, max_blocks] int32
+    query_start_loc: torch.Tensor   # [S + 1] int32
+    seq_lens: torch.Tensor          # [S] int32: context length incl. this step's tokens
+    max_query_len: int              # sizes the grid (1 for decode-only steps)
+    num_splits: int = 1             # split-KV programs per sequence (decode only)
+
+
+def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [max_len, d], built once: bf16 tables would round Llama 3's scaled angles."""
+    if getattr(model, "_rope_f32", None) is None:
+        model._rope_f32 = rope_cos_sin(model.cfg, model.max_model_len, torch.float32, model.device)
+    return model._rope_f32
+
+
+def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
+                   attn: KernelAttnInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    """input_ids, positions: [T] long -> final-normed hidden states [T, H]."""
+    cfg = model.cfg
+    t = input_ids.shape[0]
+    nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    cos, sin = rope_tables_f32(model)
+    residual = F.embedding(input_ids, model.embed)                                  # [T, H]
+    x = add_rms_norm(residual, model.layers[0].input_norm, eps)
+    attn_out = torch.empty(t, nh, d, dtype=model.dtype, device=model.device)
+    for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)                               # [T, (nh+2kvh)*d]
+        rope_(qkv, positions, cos, sin, nh + kvh, d)
+        q = qkv[:, :nh * d].view(t, nh, d)
+        k = qkv[:, nh * d:(nh + kvh) * d].view(t, kvh, d)
+        v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
+        write_kv(kv_cache, k, v, attn.slot_mapping)
+        paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
+                        attn.max_query_len, model.scale, out=attn_out,
+                        sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
+        o = F.linear(attn_out.view(t, nh * d), layer.o, layer.o_bias)
+        x = add_rms_norm(o, layer.post_norm, eps, residual=residual)                # residual += o
+        gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)                    # [T, 2I]
+        mlp = F.linear(silu_mul(gate_up), layer.down, layer.down_bias)
+        next_norm = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
+        x = add_rms_norm(mlp, next_norm, eps, residual=residual)                    # residual += mlp
+    return x

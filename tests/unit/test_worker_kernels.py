@@ -1,0 +1,184 @@
+"""Every Triton kernel of the GPU path equals the torch reference, run on the CPU by Triton's
+interpreter (fp32 / fp16: the interpreter's bf16 arithmetic is wrong, see shared FACTS).
+
+Shapes are small and blocks large: the interpreter costs ~10 ms per program per loop iteration.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# Must be set before the kernels are decorated (on import), and only for this module's kernels.
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from services.worker import attention as ref  # noqa: E402
+from services.worker.kernels import attention as ka  # noqa: E402
+from services.worker.kernels import elementwise as ke  # noqa: E402
+from services.worker.models.config import ModelConfig, RopeScaling  # noqa: E402
+from services.worker.models.llama import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return ((out.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def make_batch(rng: random.Random, specs, block_size: int, num_blocks: int):
+    """specs: (num_computed, num_scheduled) per sequence, decodes first. Random, disjoint
+    block tables. Returns SeqSchedules + the Triton metadata tensors."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seqs = []
+    for computed, sched in specs:
+        n = -(-(computed + sched) // block_size) + rng.randrange(2)  # sometimes a spare block
+        seqs.append(ref.SeqSchedule([free.pop() for _ in range(n)], computed, sched))
+    max_blocks = max(len(s.block_ids) for s in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids)
+    qsl = torch.tensor([0] + [s.num_scheduled_tokens for s in seqs]).cumsum(0).to(torch.int32)
+    lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
+    return seqs, tables, qsl, lens
+
+
+# (num_heads, num_kv_heads): GQA ratios 1, 3 and 8
+@pytest.mark.parametrize("nh,kvh", [(2, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_matches_reference_on_ragged_batch(nh, kvh, dtype):
+    rng = random.Random(nh * 10 + kvh)
+    torch.manual_seed(nh)
+    d, bs, nb = 32, 16, 24
+    # two decodes (one at a partial block, one at a block edge), a fresh prompt, a prompt chunk
+    # after a cached prefix, a chunk ending mid-block
+    specs = [(36, 1), (15, 1), (0, 21), (32, 9), (7, 30)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    t = sum(s for _, s in specs)
+    cache = torch.randn(2, nb, bs, kvh, d, dtype=dtype)
+    q = torch.randn(t, nh, d, dtype=dtype)
+    k = torch.randn(t, kvh, d, dtype=dtype)
+    v = torch.randn(t, kvh, d, dtype=dtype)
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"))
+    want_cache = cache.clone()
+    want = ref.paged_attention(q.float(), k.float(), v.float(), want_cache_f := want_cache.float(), meta, d ** -0.5)
+    ka.write_kv(cache, k, v, meta.slot_mapping)
+    assert torch.equal(cache, want_cache_f.to(dtype)), "KV write differs from index_copy_"
+    out = ka.paged_attention(q, cache, tables, qsl, lens, max(s for _, s in specs), d ** -0.5)
+    assert rel_err(out, want) < TOL[dtype]
+
+
+def test_paged_attention_decode_only_with_small_blocks_and_padding_rows():
+    """block_size 4 (a tile spans many blocks) and a CUDA-graph padding row (seq_len 0)."""
+    rng = random.Random(3)
+    nh, kvh, d, bs, nb = 4, 1, 16, 4, 40
+    specs = [(17, 1), (3, 1), (40, 1)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    cache = torch.randn(2, nb, bs, kvh, d)
+    q, k, v = torch.randn(3, nh, d), torch.randn(3, kvh, d), torch.randn(3, kvh, d)
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"))
+    want = ref.paged_attention(q, k, v, cache.clone(), meta, 0.3)
+    ka.write_kv(cache, k, v, meta.slot_mapping)
+    # a padding row: query 4 with context 0 and slot -1 (skipped by the KV write)
+    qp = torch.cat([q, torch.randn(1, nh, d)])
+    tables_p = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    qsl_p = torch.arange(5, dtype=torch.int32)
+    lens_p = torch.cat([lens, torch.zeros(1, dtype=torch.int32)])
+    before = cache.clone()
+    ka.write_kv(cache, torch.randn(1, kvh, d), torch.randn(1, kvh, d), torch.tensor([-1]))
+    assert torch.equal(cache, before)
+    out = ka.paged_attention(qp, cache, tables_p, qsl_p, lens_p, 1, 0.3)
+    assert rel_err(out[:3], want) < 2e-5
+    assert torch.isfinite(out[3]).all()
+    # split-KV (flash-decoding) gives the same result, padding row included
+    split = ka.paged_attention(qp, cache, tables_p, qsl_p, lens_p, 1, 0.3, block_n=16, num_splits=4)
+    assert rel_err(split[:3], want) < 2e-5
+    assert torch.isfinite(split[3]).all()
+
+
+def test_paged_attention_sliding_window_matches_reference():
+    rng = random.Random(5)
+    nh, kvh, d, bs, nb, window = 4, 2, 16, 8, 30, 12
+    specs = [(29, 1), (0, 26), (16, 10)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    cache = torch.randn(2, nb, bs, kvh, d)
+    t = sum(s for _, s in specs)
+    q, k, v = torch.randn(t, nh, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"), sliding_window=window)
+    want = ref.paged_attention(q, k, v, cache.clone(), meta, d ** -0.5)
+    ka.write_kv(cache, k, v, meta.slot_mapping)
+    out = ka.paged_attention(q, cache, tables, qsl, lens, 26, d ** -0.5, sliding_window=window,
+                             block_n=16)
+    assert rel_err(out, want) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_matches_reference_and_updates_residual(dtype):
+    torch.manual_seed(0)
+    x, res, w = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype), torch.rand(96, dtype=dtype) + 0.5
+    want_res = res + x
+    want = rms_norm(want_res, w, 1e-5)
+    res_k = res.clone()
+    out = ke.add_rms_norm(x, w, 1e-5, residual=res_k)
+    assert torch.equal(res_k, want_res)
+    assert rel_err(out, want) < TOL[dtype]
+    assert rel_err(ke.add_rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rope", [RopeScaling(), RopeScaling("llama3", 8.0, 1.0, 4.0, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_on_fused_qkv_matches_reference_including_llama3_scaling(rope, dtype):
+    nh, kvh, d = 6, 2, 32
+    cfg = ModelConfig("llama", 100, nh * d, 64, 1, nh, kvh, d, 1e-5, 500000.0, 512, False,
+                      rope_scaling=rope)
+    cos, sin = rope_cos_sin(cfg, 512, torch.float32, torch.device("cpu"))
+    torch.manual_seed(1)
+    t = 7
+    qkv = torch.randn(t, (nh + 2 * kvh) * d, dtype=dtype)
+    pos = torch.tensor([0, 1, 5, 100, 101, 300, 511])
+    q, k, v = qkv.float().split([nh * d, kvh * d, kvh * d], dim=-1)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    want_q = apply_rope(q.reshape(t, nh, d), c, s)
+    want_k = apply_rope(k.reshape(t, kvh, d), c, s)
+    out = ke.rope_(qkv.clone(), pos, cos, sin, nh + kvh, d)
+    oq, ok, ov = out.split([nh * d, kvh * d, kvh * d], dim=-1)
+    assert rel_err(oq.reshape(t, nh, d), want_q) < TOL[dtype]
+    assert rel_err(ok.reshape(t, kvh, d), want_k) < TOL[dtype]
+    assert torch.equal(ov, qkv[:, (nh + kvh) * d:]), "v must be left alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_matches_reference(dtype):
+    torch.manual_seed(2)
+    x = torch.randn(3, 2 * 80, dtype=dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert rel_err(ke.silu_mul(x, block=64), torch.nn.functional.silu(gate) * up) < TOL[dtype]
+
+
+def test_kernel_forward_in_the_runner_gives_the_reference_greedy_tokens(tmp_path):
+    """The GPU executor's path (persistent buffers + Triton forward), run on the CPU through the
+    interpreter, samples the same greedy tokens as the torch reference with chunked prefill,
+    mixed prefill/decode steps and split-KV decodes."""
+    from services.worker.gpu_exec import GpuExecutor
+    from services.worker.models import load_model
+    from services.worker.runner import ModelRunner
+    from tests.unit.tiny_llama import make_tiny_llama
+    from tests.worker_driver import MiniScheduler
+
+    model = load_model(make_tiny_llama(tmp_path, seed=3))
+    prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
+    outs = []
+    for kernels in (False, True):
+        runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=4)
+        runner.hello(4)
+        if kernels:
+            runner.gpu = GpuExecutor(model, runner.kv_caches, 4, max_num_tokens=64, max_num_seqs=4,
+                                     graph_sizes=None)
+        sched = MiniScheduler(runner.execute, 4, 16, budget=6)
+        for i, p in enumerate(prompts):
+            sched.add(f"r{i}", p, 5)
+        outs.append(sched.run())
+    assert outs[0] == outs[1]
