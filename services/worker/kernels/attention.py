@@ -63,7 +63,7 @@ def _paged_attn_kernel(
     last_q = tl.minimum(first_q_pos + (tile + 1) * BLOCK_Q, ctx)
     # A tile past the chunk's end (grids are sized by the longest chunk) runs no iteration.
     hi = tl.where(tile * BLOCK_Q < q_len, last_q, 0)
-    lo = 0
+    lo = first_q_pos * 0
     if window > 0:
         lo = tl.maximum(first_q_pos + tile * BLOCK_Q - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N

@@ -1,0 +1,402 @@
+"""One-H200 benchmark of the GPU worker on a Llama-3.1-8B-shaped model with seeded random bf16
+weights built in-process (no files): ceilings, decode step time vs the memory floor, offline
+throughput, TTFT vs the compute floor; `--peer` runs the transformers peer on the same weights.
+
+  python3 bench/gpu_decode.py --out bench/results/gpu_decode.json
+  python3 bench/gpu_decode.py --peer --out peer.json      # separate process (bounded by `timeout`)
+
+Drives ModelRunner.execute in-process with handmade StepPlans (no sockets, no scheduler process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from services.common import pb  # noqa: E402
+from services.worker.models.config import ModelConfig, RopeScaling  # noqa: E402
+from services.worker.models.llama import LayerWeights, LlamaModel  # noqa: E402
+from services.worker.runner import ModelRunner  # noqa: E402
+
+BS = 16
+COPY_TBPS_NOMINAL = 4.3e12
+GEMM_FLOPS_NOMINAL = 790e12
+
+
+def llama31_8b_config() -> ModelConfig:
+    return ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 131072, False,
+                       rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), eos_token_ids=(128001, 128009))
+
+
+def build_model(cfg: ModelConfig, max_len: int, seed: int = 0) -> LlamaModel:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+
+    def w(*shape, std=0.02):
+        return torch.randn(*shape, generator=g, device=dev, dtype=dt) * std
+
+    def norm(n):
+        return 1.0 + w(n, std=0.1)
+
+    h, i, nh, kvh, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layers = [LayerWeights(input_norm=norm(h), qkv=w((nh + 2 * kvh) * d, h), qkv_bias=None, o=w(h, nh * d),
+                           post_norm=norm(h), gate_up=w(2 * i, h), down=w(h, i)) for _ in range(cfg.num_layers)]
+    return LlamaModel(cfg, w(cfg.vocab_size, h), layers, norm(h), w(cfg.vocab_size, h), max_len)
+
+
+def n_params(m: LlamaModel) -> int:
+    ts = [m.embed, m.lm_head, m.final_norm]
+    for lw in m.layers:
+        ts += [lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down]
+    return sum(t.numel() for t in ts)
+
+
+def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 2 ** 30  # 2 GiB of bf16 per buffer; rotate 2 pairs so L2 never holds them
+    bufs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    k = [0]
+
+    def copy():
+        k[0] ^= 1
+        bufs[2 + k[0]].copy_(bufs[k[0]])
+    ms = cuda_time_ms(copy, 20)
+    bw = 2 * n * 2 / (ms / 1e3)
+    del bufs
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gms = cuda_time_ms(lambda: a @ b, 20)
+    return {"copy_bytes_per_s": bw, "copy_ms_4GiB_rw": ms, "gemm_bf16_8192_flops": 2 * 8192 ** 3 / (gms / 1e3),
+            "gemm_ms": gms}
+
+
+class Reqs:
+    """Request ids, block allocation and StepPlan building for the in-process loops."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.step = 0
+
+    def plan(self) -> pb.step.StepPlan:
+        self.step += 1
+        return pb.step.StepPlan(step_id=self.step)
+
+    def blocks(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // BS)
+        if n > len(self.free):
+            raise RuntimeError("out of KV blocks")
+        return [self.free.pop() for _ in range(n)]
+
+
+GREEDY = pb.common.SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def run(runner: ModelRunner, plan: pb.step.StepPlan) -> pb.step.StepResult:
+    res = runner.execute(plan)
+    if res.HasField("error"):
+        raise RuntimeError(res.error.message)
+    return res
+
+
+def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: int, gen) -> dict:
+    """`batch` requests whose first ctx - steps/2 tokens are already cached (random KV), then
+    `steps` decode steps: mean context = ctx."""
+    start = ctx - steps // 2
+    plan = reqs.plan()
+    ids = []
+    for i in range(batch):
+        rid = f"d{batch}-{i}"
+        ids.append(rid)
+        plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (start,), generator=gen).tolist(),
+                              block_ids=reqs.blocks(start + steps + 1), num_computed_tokens=start - 1,
+                              num_scheduled_tokens=1, sampling=GREEDY)
+    run(runner, plan)
+    wall = []
+    for s in range(steps):
+        plan = reqs.plan()
+        for rid in ids:
+            plan.cached_requests.add(request_id=rid, num_computed_tokens=start + s, num_scheduled_tokens=1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(runner, plan)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    # GPU time alone: replay the bucket's graph on the last step's staged inputs.
+    graph = runner.gpu.graphs.get(batch)
+    replay_ms = cuda_time_ms(graph[0].replay, 20) if graph else None
+    done = reqs.plan()
+    done.finished_ids.extend(ids)
+    run(runner, done)
+    return {"batch": batch, "mean_context": ctx, "step_ms_median": statistics.median(wall),
+            "graph_replay_ms": replay_ms}
+
+
+def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -> dict:
+    times = []
+    for r in range(reps + 1):
+        plan = reqs.plan()
+        rid = f"ttft{r}"
+        plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (prompt_len,), generator=gen).tolist(),
+                              block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len, sampling=GREEDY)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(runner, plan)
+        times.append((time.perf_counter() - t0) * 1e3)
+        fin = reqs.plan()
+        fin.finished_ids.append(rid)
+        run(runner, fin)
+    return {"prompt_len": prompt_len, "ttft_ms_median": statistics.median(times[1:]), "all_ms": times}
+
+
+def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,
+            token_budget: int, gen, time_cap_s: float) -> dict:
+    """Continuous batching of fixed-length requests (EOS ignored): decodes first, then whole
+    prompts while the token budget and max_seqs allow. Blocks for prompt + output up front."""
+    free = list(range(runner.num_blocks))
+    need = -(-(in_len + out_len) // BS)
+    waiting = list(range(num_requests))
+    prompts = {i: torch.randint(0, 128000, (in_len,), generator=gen).tolist() for i in waiting}
+    running: dict[str, list] = {}  # rid -> [outputs, blocks]
+    finished: list[str] = []
+    out_tokens, steps, prefill_steps = 0, 0, 0
+    max_batch = 0
+    t0 = time.perf_counter()
+    while waiting or running:
+        plan = pb.step.StepPlan(step_id=steps, finished_ids=finished)
+        finished = []
+        budget = token_budget
+        for rid, (outs, _) in running.items():
+            plan.cached_requests.add(request_id=rid, num_computed_tokens=in_len + outs - 1, num_scheduled_tokens=1)
+            budget -= 1
+        admitted = []
+        while waiting and len(running) + len(admitted) < max_seqs and budget >= in_len and len(free) >= need:
+            i = waiting.pop(0)
+            blocks = [free.pop() for _ in range(need)]
+            rid = f"o{i}"
+            plan.new_requests.add(request_id=rid, token_ids=prompts.pop(i), block_ids=blocks,
+                                  num_scheduled_tokens=in_len, sampling=GREEDY)
+            admitted.append((rid, blocks))
+            budget -= in_len
+        prefill_steps += bool(admitted)
+        res = run(runner, plan)
+        for rid, blocks in admitted:
+            running[rid] = [0, blocks]
+        max_batch = max(max_batch, len(running))
+        for o in res.outputs:
+            if o.token_ids:
+                running[o.request_id][0] += 1
+                out_tokens += 1
+        for rid in [r for r, (n, _) in running.items() if n >= out_len]:
+            free += running.pop(rid)[1]
+            finished.append(rid)
+        steps += 1
+        if time.perf_counter() - t0 > time_cap_s:
+            break
+    wall = time.perf_counter() - t0
+    run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
+    return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
+            "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget,
+            "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
+            "steps": steps, "prefill_steps": prefill_steps, "max_running": max_batch}
+
+
+def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, path: Path | None) -> list:
+    """Eager decode step of `batch` rows under torch.profiler: top kernels by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+    runner.gpu.graph_sizes = []  # eager
+    plan = reqs.plan()
+    ids = [f"prof{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (ctx,), generator=gen).tolist(),
+                              block_ids=reqs.blocks(ctx + 4), num_computed_tokens=ctx - 1, num_scheduled_tokens=1,
+                              sampling=GREEDY)
+    run(runner, plan)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        plan = reqs.plan()
+        for rid in ids:
+            plan.cached_requests.add(request_id=rid, num_computed_tokens=ctx, num_scheduled_tokens=1)
+        run(runner, plan)
+    fin = reqs.plan()
+    fin.finished_ids.extend(ids)
+    run(runner, fin)
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+        rows.append({"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3})
+    return rows
+
+
+def peer(args) -> dict:
+    """transformers on the same weights: generate_batch (continuous batching) if it works, else
+    static-batch generate."""
+    import transformers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    cfg = llama31_8b_config()
+    model = build_model(cfg, 4096)
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    nh, kvh, d = 32, 8, 128
+    P = torch.nn.Parameter
+    with torch.no_grad():
+        hf.model.embed_tokens.weight = P(model.embed, requires_grad=False)
+        hf.lm_head.weight = P(model.lm_head, requires_grad=False)
+        hf.model.norm.weight = P(model.final_norm, requires_grad=False)
+        for lw, hl in zip(model.layers, hf.model.layers):
+            a, m = hl.self_attn, hl.mlp
+            a.q_proj.weight = P(lw.qkv[:nh * d], requires_grad=False)
+            a.k_proj.weight = P(lw.qkv[nh * d:(nh + kvh) * d], requires_grad=False)
+            a.v_proj.weight = P(lw.qkv[(nh + kvh) * d:], requires_grad=False)
+            a.o_proj.weight = P(lw.o, requires_grad=False)
+            m.gate_proj.weight = P(lw.gate_up[:14336], requires_grad=False)
+            m.up_proj.weight = P(lw.gate_up[14336:], requires_grad=False)
+            m.down_proj.weight = P(lw.down, requires_grad=False)
+            hl.input_layernorm.weight = P(lw.input_norm, requires_grad=False)
+            hl.post_attention_layernorm.weight = P(lw.post_norm, requires_grad=False)
+    torch.cuda.empty_cache()
+    gen = torch.Generator().manual_seed(1)
+    n, in_len, out_len = args.peer_requests, args.in_len, args.out_len
+    prompts = [torch.randint(0, 128000, (in_len,), generator=gen).tolist() for _ in range(n)]
+    result = {"transformers": transformers.__version__, "requests": n, "in_len": in_len, "out_len": out_len}
+    gc = GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    try:
+        if not hasattr(hf, "generate_batch") or args.peer_static:
+            raise AttributeError("generate_batch not used")
+        hf.generate_batch(prompts[:4], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
+                                                                          eos_token_id=None, pad_token_id=0))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = hf.generate_batch(prompts, generation_config=gc)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        toks = sum(len(o.generated_tokens) for o in outs.values())
+        result.update(mode="generate_batch (continuous batching)", output_tokens=toks, wall_s=wall)
+    except Exception as exc:  # noqa: BLE001 - fall back to the static mode and say why
+        result["generate_batch_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        torch.cuda.empty_cache()
+        x = torch.tensor(prompts, device="cuda")
+        with torch.no_grad():
+            hf.generate(x[:2, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        result.update(mode=f"static-batch generate (batch {n}, sdpa)", output_tokens=int((out.shape[1] - in_len) * n),
+                      wall_s=wall)
+    result["output_tok_per_s"] = result["output_tokens"] / result["wall_s"]
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results/gpu_decode.json")
+    p.add_argument("--peer", action="store_true")
+    p.add_argument("--peer-static", action="store_true")
+    p.add_argument("--peer-requests", type=int, default=64)
+    p.add_argument("--in-len", type=int, default=1024)
+    p.add_argument("--out-len", type=int, default=1024)
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--max-seqs", type=int, default=256)
+    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--kv-gib", type=float, default=96.0)
+    p.add_argument("--offline-cap-s", type=float, default=150.0)
+    p.add_argument("--skip-offline", action="store_true")
+    args = p.parse_args()
+    out = Path(args.out)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.peer:
+        res = peer(args)
+        out.write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
+        return 0
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def save():
+        out.write_text(json.dumps(res, indent=1))
+
+    res["ceilings"] = ceilings()
+    bw = res["ceilings"]["copy_bytes_per_s"]
+    save()
+    print("ceilings", res["ceilings"], flush=True)
+    cfg = llama31_8b_config()
+    t0 = time.perf_counter()
+    model = build_model(cfg, 4096)
+    params = n_params(model)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    res["model"] = {"params": params, "weight_bytes": 2 * params, "kv_bytes_per_token": kv_per_token}
+    runner = ModelRunner(model, model_name="llama31-8b-random", kv_cache_bytes=int(args.kv_gib * 2 ** 30), block_size=BS)
+    runner.hello(BS)
+    for kv in runner.kv_caches:
+        kv.normal_()  # random cached context, never time on zeros
+    t1 = time.perf_counter()
+    runner.gpu.capture_all()
+    torch.cuda.synchronize()
+    res["setup"] = {"build_s": t1 - t0, "graph_capture_s": time.perf_counter() - t1, "num_kv_blocks": runner.num_blocks,
+                    "graph_sizes": runner.gpu.graph_sizes}
+    print("setup", res["setup"], flush=True)
+    gen = torch.Generator().manual_seed(0)
+    res["decode"] = []
+    for b in (1, 64, 256):
+        reqs = Reqs(runner.num_blocks)
+        r = decode_steps(runner, reqs, b, 1536, 30, gen)
+        floor = (2 * params + b * 1536 * kv_per_token)
+        r["floor_ms_at_4.3TBps"] = floor / COPY_TBPS_NOMINAL * 1e3
+        r["floor_ms_at_measured_bw"] = floor / bw * 1e3
+        r["ratio_to_floor_4.3"] = r["step_ms_median"] / r["floor_ms_at_4.3TBps"]
+        if r["graph_replay_ms"]:
+            r["replay_ratio_to_floor_4.3"] = r["graph_replay_ms"] / r["floor_ms_at_4.3TBps"]
+        res["decode"].append(r)
+        save()
+        print("decode", r, flush=True)
+    reqs = Reqs(runner.num_blocks)
+    r = ttft(runner, reqs, 1024, gen)
+    r["compute_floor_ms_at_790T"] = 2 * params * 1024 / GEMM_FLOPS_NOMINAL * 1e3
+    r["compute_floor_ms_at_measured"] = 2 * params * 1024 / res["ceilings"]["gemm_bf16_8192_flops"] * 1e3
+    res["ttft"] = r
+    save()
+    print("ttft", r, flush=True)
+    if not args.skip_offline:
+        r = offline(runner, args.requests, args.max_seqs, args.in_len, args.out_len, args.token_budget, gen,
+                    args.offline_cap_s)
+        res["offline"] = r
+        save()
+        print("offline", r, flush=True)
+    try:
+        res["profile_decode_b256_eager"] = profile_step(runner, Reqs(runner.num_blocks), 256, 1536, gen, None)
+    except Exception as exc:  # noqa: BLE001
+        res["profile_error"] = repr(exc)
+    save()
+    print(json.dumps(res.get("profile_decode_b256_eager")), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
