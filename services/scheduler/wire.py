@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from services.common import pb
-from services.scheduler.core import Request, RequestOutput, SampledTokens, StepPlan, StepResult
+from services.scheduler.core import Request, RequestOutput, StepPlan, StepResult
 
 _FINISH = {
     None: pb.common.FINISH_REASON_UNSPECIFIED,
@@ -60,9 +60,9 @@ def plan_to_proto(plan: StepPlan) -> pb.step.WorkerRequest:
 
 def result_from_proto(msg: pb.step.StepResult) -> StepResult:
     error = (msg.error.message or "worker error") if msg.HasField("error") else None
-    return StepResult(step_id=msg.step_id, error=error,
-                      sampled=[SampledTokens(o.request_id, list(o.token_ids), o.logprobs or None)
-                               for o in msg.outputs])
+    # SampledOutput messages already have the fields the core reads (request_id, token_ids,
+    # logprobs): handing them over as they are saves a copy per request per step.
+    return StepResult(step_id=msg.step_id, error=error, sampled=list(msg.outputs))
 
 
 def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.OutputBatch:

@@ -53,6 +53,9 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SampledTokens:
+    """What the worker sampled for one request. The adapter passes protobuf SampledOutput
+    messages in its place: the core only reads these three attributes."""
+
     request_id: str
     token_ids: list[int]
     logprobs: Any = None          # opaque, passed through to the output
