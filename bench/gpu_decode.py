@@ -246,7 +246,22 @@ def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, pat
     return rows
 
 
-def peer(args) -> dict:
+def profile_prefill(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen) -> list:
+    """One prefill step of a `prompt_len`-token prompt under torch.profiler: top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    plan = reqs.plan()
+    plan.new_requests.add(request_id="profp", token_ids=torch.randint(0, 128000, (prompt_len,), generator=gen).tolist(),
+                          block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len, sampling=GREEDY)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(runner, plan)
+    fin = reqs.plan()
+    fin.finished_ids.append("profp")
+    run(runner, fin)
+    return [{"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]]
+
+
+def peer(args, save) -> dict:
     """transformers on the same weights: generate_batch (continuous batching) if it works, else
     static-batch generate."""
     import transformers
@@ -286,32 +301,38 @@ def peer(args) -> dict:
     result = {"transformers": transformers.__version__, "requests": n, "in_len": in_len, "out_len": out_len}
     gc = GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
-    try:
-        if not hasattr(hf, "generate_batch") or args.peer_static:
-            raise AttributeError("generate_batch not used")
-        hf.generate_batch(prompts[:4], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
-                                                                          eos_token_id=None, pad_token_id=0))
+    # 1) static-batch generate (sdpa, dynamic cache) on the full workload
+    x = torch.tensor(prompts, device="cuda")
+    with torch.no_grad():
+        hf.generate(x[:2, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = hf.generate_batch(prompts, generation_config=gc)
+        out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        toks = sum(len(o.generated_tokens) for o in outs.values())
-        result.update(mode="generate_batch (continuous batching)", output_tokens=toks, wall_s=wall)
-    except Exception as exc:  # noqa: BLE001 - fall back to the static mode and say why
-        result["generate_batch_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        torch.cuda.empty_cache()
-        x = torch.tensor(prompts, device="cuda")
-        with torch.no_grad():
-            hf.generate(x[:2, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    wall = time.perf_counter() - t0
+    toks = int((out.shape[1] - in_len) * n)
+    result["static_generate"] = {"batch": n, "output_tokens": toks, "wall_s": wall, "output_tok_per_s": toks / wall}
+    save(result)
+    del out, x
+    torch.cuda.empty_cache()
+    # 2) generate_batch (continuous batching), probed on a smaller workload: in an earlier run
+    #    64 x 1024/1024 did not finish in 200 s.
+    if hasattr(hf, "generate_batch"):
+        pn, pout = args.peer_cb_requests, args.peer_cb_out_len
+        try:
+            gcb = GenerationConfig(max_new_tokens=pout, do_sample=False, eos_token_id=None, pad_token_id=0)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
+            outs = hf.generate_batch(prompts[:pn], generation_config=gcb)
             torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        result.update(mode=f"static-batch generate (batch {n}, sdpa)", output_tokens=int((out.shape[1] - in_len) * n),
-                      wall_s=wall)
-    result["output_tok_per_s"] = result["output_tokens"] / result["wall_s"]
+            wall = time.perf_counter() - t0
+            toks = sum(len(o.generated_tokens) for o in outs.values())
+            result["generate_batch_probe"] = {"requests": pn, "in_len": in_len, "out_len": pout,
+                                              "output_tokens": toks, "wall_s_incl_warmup": wall,
+                                              "output_tok_per_s": toks / wall}
+        except Exception as exc:  # noqa: BLE001
+            result["generate_batch_probe"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        save(result)
     return result
 
 
@@ -319,12 +340,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_decode.json")
     p.add_argument("--peer", action="store_true")
-    p.add_argument("--peer-static", action="store_true")
+    p.add_argument("--peer-cb-requests", type=int, default=16)
+    p.add_argument("--peer-cb-out-len", type=int, default=32)
     p.add_argument("--peer-requests", type=int, default=64)
     p.add_argument("--in-len", type=int, default=1024)
     p.add_argument("--out-len", type=int, default=1024)
     p.add_argument("--requests", type=int, default=512)
-    p.add_argument("--max-seqs", type=int, default=256)
+    p.add_argument("--max-seqs", type=int, default=384)
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--kv-gib", type=float, default=96.0)
     p.add_argument("--offline-cap-s", type=float, default=150.0)
@@ -333,9 +355,7 @@ def main() -> int:
     out = Path(args.out)
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.peer:
-        res = peer(args)
-        out.write_text(json.dumps(res, indent=1))
-        print(json.dumps(res))
+        res = peer(args, lambda r: (out.write_text(json.dumps(r, indent=1)), print(json.dumps(r), flush=True)))
         return 0
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
@@ -390,6 +410,7 @@ def main() -> int:
         save()
         print("offline", r, flush=True)
     try:
+        res["profile_prefill_1024"] = profile_prefill(runner, Reqs(runner.num_blocks), 1024, gen)
         res["profile_decode_b256_eager"] = profile_step(runner, Reqs(runner.num_blocks), 256, 1536, gen, None)
     except Exception as exc:  # noqa: BLE001
         res["profile_error"] = repr(exc)

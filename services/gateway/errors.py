@@ -8,6 +8,8 @@ from services.common import pb
 # kind -> (HTTP status, OpenAI error type, gRPC status)
 _KINDS: dict[str, tuple[int, str, grpc.StatusCode]] = {
     "invalid_argument": (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    "unauthenticated": (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    "permission_denied": (403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
     "not_found": (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
     "too_large": (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
     "unsupported_media": (415, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),

@@ -194,7 +194,8 @@ def create_app(gw: Gateway) -> FastAPI:
         return await generate(request, gw, _watch, ClientGone, request_id=request_id,
                               model=req.model or gw.model_name, prompt_ids=prompt_ids,
                               sampling=sampling, n=req.num_choices, stream=bool(req.stream),
-                              include_usage=req.include_usage, spec=spec)
+                              include_usage=req.include_usage, spec=spec,
+                              priority=req.priority, cache_salt=req.cache_salt or "")
 
     add_tokenize_routes(app, gw)
     return app

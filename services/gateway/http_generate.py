@@ -79,9 +79,10 @@ async def _collect(group: ChoiceGroup, builders: list[ChoiceBuilder],
 async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: type[Exception], *,
                    request_id: str, model: str, prompt_ids: list[int],
                    sampling: "pb.common.SamplingParams", n: int, stream: bool,
-                   include_usage: bool, spec: ChoiceSpec) -> Response:
+                   include_usage: bool, spec: ChoiceSpec, priority: int = 0, cache_salt: str = "") -> Response:
     handles = gw.start_n(request_id, prompt_ids, sampling, n,
-                         prompt_param="messages" if spec.chat else "prompt")
+                         prompt_param="messages" if spec.chat else "prompt", priority=priority,
+                         cache_salt=cache_salt)
     group = ChoiceGroup(request_id, handles)
     request.state.handle = group
     builders = [ChoiceBuilder(i, spec) for i in range(n)]

@@ -47,6 +47,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    priority: int = 0                 # extra body (vLLM): lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None     # extra body (vLLM): prefix-cache isolation between tenants
 
     @field_validator("stop")
     @classmethod

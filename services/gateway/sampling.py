@@ -4,6 +4,7 @@ Bad input stops here with a 400 / INVALID_ARGUMENT and never reaches the engine.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,9 @@ from services.gateway.errors import invalid
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # choices per request (each is its own engine request)
+MAX_CACHE_SALT_CHARS = 256
+# cache_salt goes into the prefix-cache hash; printable, no spaces, so logs stay one line.
+_CACHE_SALT = re.compile(r"^[A-Za-z0-9._:@/+=\-]*$")
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,8 @@ class Limits:
     vocab_size: int
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
+    max_logit_bias: int = 1024        # logit_bias entries per request
+    max_stop_token_ids: int = 64
 
 
 def _finite(name: str, value: float) -> None:
@@ -52,6 +58,12 @@ def validate_sampling(sp: "pb.common.SamplingParams", limits: Limits) -> None:
         raise invalid(f"min_tokens must be >= 0, got {sp.min_tokens}", "min_tokens")
     if sp.HasField("logprobs") and not 0 <= sp.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {sp.logprobs}", "logprobs")
+    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
+        raise invalid(f"at most {limits.max_stop_token_ids} stop_token_ids are allowed, "
+                      f"got {len(sp.stop_token_ids)}", "stop_token_ids")
+    if len(sp.logit_bias) > limits.max_logit_bias:
+        raise invalid(f"logit_bias may have at most {limits.max_logit_bias} entries, "
+                      f"got {len(sp.logit_bias)}", "logit_bias")
     for tid in sp.stop_token_ids:
         if not 0 <= tid < limits.vocab_size:
             raise invalid(f"stop_token_ids contains {tid}, outside the vocabulary "
@@ -100,3 +112,17 @@ def resolve_max_tokens(sp: "pb.common.SamplingParams", prompt_len: int, limits: 
     if sp.min_tokens > sp.max_tokens:
         raise invalid(f"min_tokens ({sp.min_tokens}) must not exceed max_tokens "
                       f"({sp.max_tokens})", "min_tokens")
+
+
+def validate_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise invalid(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                      f"got {len(salt)}", "cache_salt")
+    if not _CACHE_SALT.match(salt):
+        raise invalid("cache_salt may only contain [A-Za-z0-9._:@/+=-]", "cache_salt")
+
+
+def validate_priority(priority: int) -> None:
+    if not -(2 ** 31) <= priority < 2 ** 31:
+        raise invalid(f"priority must fit in a signed 32-bit integer, got {priority}",
+                      "priority")

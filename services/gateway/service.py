@@ -7,11 +7,13 @@ import uuid
 from collections.abc import Sequence
 
 from services.common import pb
+from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.embeddings import Embeddings
 from services.gateway.engine_client import EngineClient, RequestHandle
 from services.gateway.errors import ApiError
-from services.gateway.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
+from services.gateway.sampling import (Limits, resolve_max_tokens, validate_cache_salt,
+                                       validate_priority, validate_prompt, validate_sampling)
 from services.gateway.tokenizer_client import TokenizerClient
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
@@ -33,6 +35,7 @@ class Gateway:
         # /v1/embeddings and gRPC Embed; without an embedder they answer 404.
         self.embeddings = embeddings or Embeddings(None, config.served_model_name)
         self.tokenizer_ready = False  # kept up to date by main's readiness monitor
+        self.admission = Admission(config.max_inflight_requests, config.max_inflight_tokens)
 
     @property
     def ready(self) -> bool:
@@ -101,6 +104,12 @@ class Gateway:
         limits = self.limits()
         validate_prompt(prompt_ids, limits, prompt_param)
         validate_sampling(sampling, limits)
+        validate_cache_salt(cache_salt)
+        validate_priority(priority)
         resolve_max_tokens(sampling, len(prompt_ids), limits)
-        return self.engine.submit(request_id, list(prompt_ids), sampling,
-                                  cache_salt=cache_salt, priority=priority)
+        tokens = len(prompt_ids) + sampling.max_tokens
+        self.admission.check(1, tokens)
+        handle = self.engine.submit(request_id, list(prompt_ids), sampling,
+                                    cache_salt=cache_salt, priority=priority)
+        self.admission.hold(request_id, tokens, lambda: not handle.finished)
+        return handle

@@ -54,6 +54,8 @@ class GpuExecutor:
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if pin else 4
         self.graph_sizes = sorted(b for b in (graph_sizes or ()) if b <= max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Per table row: (the block-id list it was filled from, how many blocks are written).
+        self._row_owner: list[tuple[list | None, int]] = [(None, 0)] * max_num_seqs
         self.pool = None
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -65,9 +67,17 @@ class GpuExecutor:
         pos = np.asarray(positions, dtype=np.int64)
         self.n64[1, :t] = pos
         counts = np.empty(n, dtype=np.int64)
+        owners = self._row_owner
         for i, sq in enumerate(seqs):
             nb = -(-sq.context_len // bs)
-            self.n_tables[i, :nb] = sq.block_ids[:nb]
+            blocks = sq.block_ids
+            # Block tables only grow (the runner extends each request's list in place), so a row
+            # that held this very list last step needs only its new blocks written.
+            owner, written = owners[i]
+            start = written if owner is blocks and written <= nb else 0
+            if start < nb:
+                self.n_tables[i, start:nb] = blocks[start:nb]
+            owners[i] = (blocks, nb)
             self.n_lens[i] = sq.context_len
             counts[i] = sq.num_scheduled_tokens
         self.n_qsl[1:n + 1] = np.cumsum(counts)
@@ -80,8 +90,12 @@ class GpuExecutor:
             slots[t:pad_to] = -1
             self.n_lens[n:pad_to] = 0
             self.n_qsl[n + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - n)
-        self.i64.copy_(self.h64, non_blocking=True)
-        self.i32.copy_(self.h32, non_blocking=True)
+        rows, toks = max(n, pad_to), max(t, pad_to)
+        s, mb = self.max_seqs, self.max_blocks
+        for r in range(3):  # contiguous row prefixes: pinned -> device stays asynchronous
+            self.i64[r, :toks].copy_(self.h64[r, :toks], non_blocking=True)
+        self.i32[:rows * mb].copy_(self.h32[:rows * mb], non_blocking=True)
+        self.i32[s * mb:].copy_(self.h32[s * mb:], non_blocking=True)   # qsl + lens (4 KB)
 
     def _attn(self, num_tokens: int, num_seqs: int, max_query_len: int) -> KernelAttnInputs:
         splits = decode_splits(num_seqs, self.model.cfg.num_kv_heads, self.num_sms) if max_query_len == 1 else 1
@@ -141,4 +155,5 @@ class GpuExecutor:
                 self._stage([0] * b, [0] * b, dummy)
                 self.n64[2, :b] = -1  # never write the cache while warming up
                 self.i64.copy_(self.h64, non_blocking=True)
+                self._row_owner = [(None, 0)] * self.max_seqs
                 self._capture(b)

@@ -168,13 +168,13 @@ def _restrict(x: torch.Tensor, cfgs: list[SamplingConfig]) -> torch.Tensor:
         ks = torch.tensor([c.top_k if c.top_k else v for c in cfgs], device=x.device)
         s = s.masked_fill(torch.arange(v, device=x.device)[None, :] >= ks[:, None], float("-inf"))
         ps = torch.tensor([c.top_p for c in cfgs], device=x.device, dtype=x.dtype)
-        if (ps < 1.0).any():
+        if any(c.top_p < 1.0 for c in cfgs):  # decided on the host: no device sync
             p = s.softmax(dim=-1)
             # Drop a token once the mass strictly before it already reaches top_p; keeps >= 1.
             s = s.masked_fill(p.cumsum(dim=-1) - p > ps[:, None], float("-inf"))
         x = torch.empty_like(x).scatter_(1, idx, s)
-    min_ps = torch.tensor([c.min_p for c in cfgs], device=x.device, dtype=x.dtype)
-    if (min_ps > 0).any():
+    if any(c.min_p > 0 for c in cfgs):
+        min_ps = torch.tensor([c.min_p for c in cfgs], device=x.device, dtype=x.dtype)
         p = x.softmax(dim=-1)
         x = x.masked_fill(p < min_ps[:, None] * p.max(dim=-1, keepdim=True).values, float("-inf"))
     return x

@@ -27,7 +27,8 @@ def greedy_texts(mesh) -> list[str]:
 @pytest.fixture(scope="module")
 def plain_mesh(smollm2_dir):
     m = start_mesh(str(smollm2_dir), "--max-model-len", "512", "--no-async-scheduling",
-                   "--no-enable-prefix-caching", "--max-num-batched-tokens", "16", "--scheduling-policy", "priority")
+                   "--no-enable-prefix-caching", "--max-num-batched-tokens", "16", "--scheduling-policy", "priority",
+                   "--max-num-seqs", "1")
     yield m
     assert m.stop() == 0
 
@@ -52,3 +53,47 @@ def test_a_repeated_long_prompt_hits_the_prefix_cache(mesh):
     assert texts[0] == texts[1]
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 160 - 16
     assert after.prefix_cache_queries > before.prefix_cache_queries
+
+
+def test_priority_policy_serves_the_more_urgent_waiting_request_first(plain_mesh):
+    """One sequence at a time: while a long request runs, a priority -5 request that arrives
+    after a priority 10 one still finishes first."""
+    import threading
+    import time
+    client = OpenAI(base_url=f"{plain_mesh.http_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    done: dict[str, float] = {}
+
+    def one(name, prio, tokens):
+        client.completions.create(model=plain_mesh.model_name, prompt=f"{name}: tell me a story", max_tokens=tokens,
+                                  temperature=0, extra_body={"ignore_eos": True, "priority": prio})
+        done[name] = time.monotonic()
+
+    blocker = threading.Thread(target=one, args=("blocker", 0, 40))
+    blocker.start()
+    deadline = time.monotonic() + 30
+    while load(plain_mesh).num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    late = threading.Thread(target=one, args=("background", 10, 4))
+    late.start()
+    while load(plain_mesh).num_waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    urgent = threading.Thread(target=one, args=("urgent", -5, 4))
+    urgent.start()
+    for t in (blocker, late, urgent):
+        t.join()
+    assert done["urgent"] < done["background"]
+
+
+def test_cache_salt_from_the_http_body_isolates_the_prefix_cache(mesh):
+    client = OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    prompt = "A long shared system prompt about tea ceremonies. " * 12
+
+    def hits_after(salt):
+        before = load(mesh).prefix_cache_hits
+        client.completions.create(model=mesh.model_name, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": salt})
+        return load(mesh).prefix_cache_hits - before
+
+    hits_after("tenant-a")
+    assert hits_after("tenant-b") == 0, "another tenant's salt must not hit tenant-a's blocks"
+    assert hits_after("tenant-a") >= 16 * 5

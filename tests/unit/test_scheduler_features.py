@@ -238,3 +238,12 @@ def test_invalid_policy_and_configs_are_refused(policy):
     with pytest.raises(ValueError):
         SchedulerConfig(max_model_len=10, policy="random")
     SchedulerConfig(max_model_len=10, policy=policy)
+
+
+def test_a_request_that_stops_in_its_prefill_step_still_caches_its_prompt():
+    s, w = make(), FakeWorker(BS)
+    p = prompt(14, 17)
+    s.add_request(Request("one-token", list(p), 1))
+    drive(s, w)
+    s.add_request(Request("again", list(p), 1))
+    assert s.schedule().new_requests[0].num_computed_tokens == 16

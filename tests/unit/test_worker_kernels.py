@@ -158,17 +158,19 @@ def test_silu_mul_matches_reference(dtype):
     assert rel_err(ke.silu_mul(x, block=64), torch.nn.functional.silu(gate) * up) < TOL[dtype]
 
 
-def test_kernel_forward_in_the_runner_gives_the_reference_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kernel_forward_in_the_runner_gives_the_reference_greedy_tokens(tmp_path, family):
     """The GPU executor's path (persistent buffers + Triton forward), run on the CPU through the
     interpreter, samples the same greedy tokens as the torch reference with chunked prefill,
-    mixed prefill/decode steps and split-KV decodes."""
+    mixed prefill/decode steps and split-KV decodes (Qwen3: q/k norm too)."""
     from services.worker.gpu_exec import GpuExecutor
     from services.worker.models import load_model
     from services.worker.runner import ModelRunner
-    from tests.unit.tiny_llama import make_tiny_llama
+    from tests.unit.tiny_llama import make_tiny_family, make_tiny_llama
     from tests.worker_driver import MiniScheduler
 
-    model = load_model(make_tiny_llama(tmp_path, seed=3))
+    model = load_model(make_tiny_llama(tmp_path, seed=3) if family == "llama"
+                       else make_tiny_family(tmp_path, "qwen3", seed=3, head_dim=16))
     prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
     outs = []
     for kernels in (False, True):

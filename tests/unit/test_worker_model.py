@@ -142,12 +142,15 @@ def test_eos_ids_merge_config_and_generation_config(tiny_dir):
 @pytest.mark.parametrize("family,extra", [
     ("mistral", {"sliding_window": 6, "head_dim": 8}),
     ("qwen2", {"use_sliding_window": False}),
-], ids=["mistral-sliding-window", "qwen2-qkv-bias"])
+    ("qwen3", {"head_dim": 16}),
+], ids=["mistral-sliding-window", "qwen2-qkv-bias", "qwen3-qk-norm"])
 def test_other_llama_family_layouts_match_transformers(tmp_path, family, extra):
     d = make_tiny_family(tmp_path, family, seed=5, **extra)
     cfg = load_model_config(d)
     if family == "mistral":
         assert cfg.sliding_window == 6
+    elif family == "qwen3":
+        assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 16
     else:
         assert cfg.attention_bias
     model, hf = load_model(d), hf_family_model(d)

@@ -47,7 +47,8 @@ def make_tiny_family(path: Path, family: str, seed: int = 0, **extra) -> Path:
 
     torch.manual_seed(seed)
     cfg_cls, model_cls = {"mistral": ("MistralConfig", "MistralForCausalLM"),
-                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[family]
+                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
     cfg = getattr(transformers, cfg_cls)(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,

@@ -243,12 +243,13 @@ class Scheduler:
                                              f"the worker failed the step: {result.error}",
                                              num_prompt_tokens=len(req.prompt_token_ids)))
                 continue
+            # Cache the blocks this step filled before a stop can release them.
+            computed_end = r.num_computed_tokens + r.num_scheduled_tokens
+            if computed_end // block_size > req.num_cached_blocks:
+                self.kv.cache_computed_blocks(req, computed_end)
             s = sampled.get(rid)
             if s is not None and s.token_ids:
                 outputs.append(self._append_tokens(req, s))
-            computed_end = r.num_computed_tokens + r.num_scheduled_tokens
-            if req.status is running and computed_end // block_size > req.num_cached_blocks:
-                self.kv.cache_computed_blocks(req, computed_end)
         return outputs
 
     def _append_tokens(self, req: Request, s) -> RequestOutput:

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # model_type values whose checkpoints follow the Llama layout (same weight names, RoPE,
-# RMSNorm, SiLU·mul MLP, GQA). Qwen2 = Llama + qkv bias; it loads through the same path.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# RMSNorm, SiLU·mul MLP, GQA). Qwen2 = Llama + qkv bias; Qwen3 = Llama + per-head RMSNorm of q
+# and k before RoPE (q_norm / k_norm). They load through the same path.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -40,6 +41,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False              # Qwen3: RMSNorm over each q / k head before RoPE
     sliding_window: int | None = None
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     eos_token_ids: tuple[int, ...] = ()
@@ -116,7 +118,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelConfigError(f"unsupported hidden_act {hidden_act!r}")
     model_type = cfg.get("model_type", "llama")
     sliding = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         sliding = None
     return ModelConfig(
         model_type=model_type,
@@ -133,6 +135,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
         sliding_window=int(sliding) if sliding else None,
         rope_scaling=rope,
         eos_token_ids=tuple(eos),

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral; Qwen2 via qkv bias) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral; Qwen2 via qkv bias, Qwen3 via q/k norm) over a paged KV cache.
 
 Functions over plain tensors, no nn.Module: weights are loaded once and never trained.
 Every forward runs a flattened varlen batch of T tokens from many requests; attention is
@@ -28,6 +28,8 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [d] Qwen3: RMSNorm weight over each q head
+    k_norm: torch.Tensor | None = None  # [d]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -101,8 +103,12 @@ class LlamaModel:
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)                  # [T, (nh+2kvh)*d]
             q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
-            q = apply_rope(q.view(t, nh, d), cos, sin)
-            k = apply_rope(k.view(t, kvh, d), cos, sin)
+            q, k = q.view(t, nh, d), k.view(t, kvh, d)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.view(t, kvh, d), kv_cache, attn, self.scale)  # [T, nh, d]
             h = h + F.linear(o.reshape(t, nh * d), layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)

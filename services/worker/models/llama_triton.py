@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from services.worker.kernels.attention import paged_attention, write_kv
 from services.worker.kernels.elementwise import add_rms_norm, rope_, silu_mul
-from services.worker.models.llama import LlamaModel, rope_cos_sin
+from services.worker.models.llama import LlamaModel, rms_norm, rope_cos_sin
 
 
 @dataclass
@@ -49,6 +49,10 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
     attn_out = torch.empty(t, nh, d, dtype=model.dtype, device=model.device)
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)                               # [T, (nh+2kvh)*d]
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, in place, before RoPE
+            qk = qkv[:, :(nh + kvh) * d].view(t, nh + kvh, d)
+            qk[:, :nh] = rms_norm(qk[:, :nh], layer.q_norm, eps)
+            qk[:, nh:] = rms_norm(qk[:, nh:], layer.k_norm, eps)
         rope_(qkv, positions, cos, sin, nh + kvh, d)
         q = qkv[:, :nh * d].view(t, nh, d)
         k = qkv[:, nh * d:(nh + kvh) * d].view(t, kvh, d)

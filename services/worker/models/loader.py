@@ -100,6 +100,8 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 gate_up_bias=_cat_or_none([w.maybe(m + "gate_proj.bias"), w.maybe(m + "up_proj.bias")]),
                 down=w.get(m + "down_proj.weight"),
                 down_bias=w.maybe(m + "down_proj.bias"),
+                q_norm=w.get(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=w.get(a + "k_norm.weight") if cfg.qk_norm else None,
             ))
         final_norm = w.get(f"{p}norm.weight")
         if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
