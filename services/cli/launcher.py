@@ -46,6 +46,7 @@ class MeshConfig:
     simulate_step_ms: float = 0.0
     ready_timeout_s: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    gateway_args: list[str] = field(default_factory=list)  # API keys, TLS, limits (security.py)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -109,7 +110,8 @@ class Mesh:
                                 "--engine-addr", f"127.0.0.1:{self.scheduler_port}",
                                 "--served-model-name", c.served_model_name,
                                 *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
-                                *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else [])])
+                                *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
+                                *c.gateway_args])
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -124,6 +126,9 @@ class Mesh:
 
         async def wait_all() -> None:
             for name, addr in checks:
+                if name == "gateway" and "--ssl-certfile" in self.cfg.gateway_args:
+                    await self._wait_listening(addr, deadline)  # TLS: a plain health check can't
+                    continue
                 while True:
                     self.check_alive()
                     try:
@@ -134,6 +139,20 @@ class Mesh:
                             raise TimeoutError(f"{name} not ready after {self.cfg.ready_timeout_s:.0f}s") from None
 
         asyncio.run(wait_all())
+
+    async def _wait_listening(self, addr: str, deadline: float) -> None:
+        import asyncio
+        host, port = addr.rsplit(":", 1)
+        while True:
+            self.check_alive()
+            try:
+                _, writer = await asyncio.open_connection(host, int(port))
+                writer.close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("gateway not listening in time") from None
+                await asyncio.sleep(0.2)
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():

@@ -51,6 +51,9 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--simulate-worker", action="store_true",
                    help="a no-compute worker (pseudo-random tokens), to measure the frontend alone")
     p.add_argument("--simulate-step-ms", type=float, default=0.0, help="simulated worker: time per step")
+    from services.gateway import security
+    from services.gateway.config import GatewayConfig
+    security.add_flags(p, GatewayConfig)  # API keys, TLS, intake limits: passed to the gateway
     return p
 
 
@@ -65,7 +68,13 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
                       num_kv_blocks=a.num_kv_blocks, scheduling_policy=a.scheduling_policy,
                       enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                      simulate_worker=a.simulate_worker, simulate_step_ms=a.simulate_step_ms)
+                      simulate_worker=a.simulate_worker, simulate_step_ms=a.simulate_step_ms,
+                      gateway_args=_gateway_security_args(a))
+
+
+def _gateway_security_args(a: argparse.Namespace) -> list[str]:
+    from services.gateway.security import gateway_argv
+    return gateway_argv(a)
 
 
 def cmd_serve(argv: list[str], bundled: bool) -> int:

@@ -89,11 +89,13 @@ def _version() -> str:
         return "dev"
 
 
-def make_server(service: str, service_names: list[str]) -> tuple[grpc.aio.Server, ServiceHealth]:
+def make_server(service: str, service_names: list[str],
+                interceptors=None) -> tuple[grpc.aio.Server, ServiceHealth]:
     """Create a server that already serves health, Status and reflection.
 
-    `service_names` are the full names of the servicers the caller will add (for reflection)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    `service_names` are the full names of the servicers the caller will add (for reflection);
+    `interceptors` (e.g. the gateway's API-key check) see every call."""
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health = ServiceHealth(service)
     health.servicer.set("", hpb.HealthCheckResponse.SERVING)
     health.servicer.set(service, hpb.HealthCheckResponse.NOT_SERVING)
@@ -105,9 +107,12 @@ def make_server(service: str, service_names: list[str]) -> tuple[grpc.aio.Server
     return server, health
 
 
-def bind(server: grpc.aio.Server, address: str) -> int:
-    """Bind an insecure port; returns the port (useful with port 0)."""
-    port = server.add_insecure_port(address)
+def bind(server: grpc.aio.Server, address: str,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind a port (TLS with `credentials`, see services/common/tls.py); returns the port
+    (useful with port 0)."""
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise SystemExit(f"cannot bind gRPC address {address}")
     return port

@@ -31,6 +31,10 @@ class Admission:
 
     def check(self, num_requests: int, num_tokens: int) -> None:
         """Raise resource_exhausted unless `num_requests` more holding `num_tokens` fit."""
+        if num_tokens > self.max_tokens:
+            raise ApiError("invalid_argument", f"the request needs {num_tokens} tokens (prompt + "
+                           f"max_tokens), more than this server admits at once "
+                           f"({self.max_tokens}); lower max_tokens", param="max_tokens")
         if (len(self._held) + num_requests > self.max_requests
                 or self.tokens + num_tokens > self.max_tokens):
             self._sweep()

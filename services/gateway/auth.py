@@ -46,7 +46,10 @@ def collect_keys(flags: Iterable[str] | None, file: str | None, env_var: str,
     env = os.environ if environ is None else environ
     keys = list(flags or [])
     if file:
-        keys += read_key_file(file)
+        try:
+            keys += read_key_file(file)
+        except OSError as err:
+            raise ValueError(f"cannot read the API key file {file!r}: {err.strerror}") from None
     keys += [k.strip() for k in env.get(env_var, "").split(",") if k.strip()]
     for k in keys:
         if len(k) < MIN_KEY_CHARS or any(c.isspace() for c in k):

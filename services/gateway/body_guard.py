@@ -161,14 +161,23 @@ class BodyGuard:
                 encoding = v.decode("latin-1").strip().lower()
             elif k == b"content-length":
                 length = v.decode("latin-1").strip()
+        read_all = False
+
+        async def tracked_receive():
+            nonlocal read_all
+            message = await receive()
+            read_all = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
         try:
             if length.isdigit() and int(length) > self.max_body_bytes:
                 raise _too_large("is larger than", self.max_body_bytes)
-            body = await read_bounded(receive, encoding, self.max_body_bytes, self.max_ratio)
+            body = await read_bounded(tracked_receive, encoding, self.max_body_bytes,
+                                      self.max_ratio)
         except BodyRejected as rejected:
             if rejected.err.kind == "cancelled":
                 return
-            return await _send_error(send, rejected.err, scope)
+            return await _send_error(send, rejected.err, scope, close=not read_all)
         new_headers = [(k, v) for k, v in headers
                        if k not in (b"content-encoding", b"content-length")]
         new_headers.append((b"content-length", str(len(body)).encode()))
@@ -184,14 +193,14 @@ class BodyGuard:
         await self.app({**scope, "headers": new_headers}, replay, send)
 
 
-async def _send_error(send, err: ApiError, scope) -> None:
+async def _send_error(send, err: ApiError, scope, close: bool) -> None:
     state = scope.get("state")
     if isinstance(state, dict):
         state["outcome"] = f"error:{err.kind}"
     payload = json.dumps(err.to_openai()).encode()
-    # Close the connection: the rest of an oversized body is never read.
-    await send({"type": "http.response.start", "status": err.http_status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+    if close:  # the rest of the body is never read: the connection can't be reused
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": err.http_status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

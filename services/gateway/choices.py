@@ -18,8 +18,10 @@ class ChoiceGroup:
     def __init__(self, request_id: str, handles: list[RequestHandle]) -> None:
         self.request_id = request_id
         self.handles = handles
+        # Every handle puts its (choice index, Delta) pairs straight into this queue.
         self._queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
-        self._pumps: list[asyncio.Task] = []
+        for i, handle in enumerate(handles):
+            handle.route_to(self._queue, i)
 
     # -- what the request log line and usage read ---------------------------------------------
     @property
@@ -40,23 +42,22 @@ class ChoiceGroup:
         return reasons[0] if len(set(reasons)) == 1 else ",".join(map(str, reasons))
 
     # -- the merged stream of (choice index, Delta) --------------------------------------------
-    async def _pump(self, index: int, handle: RequestHandle) -> None:
-        async for delta in handle:
-            self._queue.put_nowait((index, delta))
-
     def __aiter__(self):
-        if not self._pumps:
-            self._pumps = [asyncio.create_task(self._pump(i, h))
-                           for i, h in enumerate(self.handles)]
         return self
 
     async def __anext__(self) -> tuple[int, Delta]:
         return await self._queue.get()
 
+    def ready(self) -> list[tuple[int, Delta]]:
+        """The pairs already queued (without waiting)."""
+        out = []
+        while not self._queue.empty():
+            out.append(self._queue.get_nowait())
+        return out
+
     def abort(self) -> None:
         """Stop every choice (no-op for finished ones). Each aborted handle still delivers
-        its final (cancelled) delta, so a reader of the group sees the end and the pumps
-        finish on their own."""
+        its final (cancelled) delta, so a reader of the group sees the end."""
         for handle in self.handles:
             handle.abort()
 

@@ -1,7 +1,9 @@
 """The gateway's one validated config (flags are read only in main.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.tls import TlsConfig
 
 
 @dataclass
@@ -15,6 +17,8 @@ class GatewayConfig:
     served_model_name: str = "smollm2-135m-instruct"
     max_body_bytes: int = 4 * 1024 * 1024
     max_inflight_requests: int = 4096  # bounds every per-request map in the gateway
+    max_inflight_tokens: int = 8 * 1024 * 1024  # prompt + max_tokens of requests in flight
+    max_compression_ratio: float = 200.0  # Content-Encoding bodies: decompressed / compressed
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
     tokenizer_timeout_s: float = 30.0
@@ -22,6 +26,9 @@ class GatewayConfig:
     log_level: str = "INFO"
     reasoning_parser: str | None = None   # deepseek_r1 | qwen3
     tool_call_parser: str | None = None   # hermes | llama3_json
+    api_keys: list[str] = field(default_factory=list)        # none: the API is open
+    admin_api_keys: list[str] = field(default_factory=list)  # none: admin routes refused
+    tls: TlsConfig = field(default_factory=TlsConfig)        # HTTP and public gRPC
 
     def __post_init__(self) -> None:
         from services.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -47,6 +54,10 @@ class GatewayConfig:
             raise ValueError("--max-body-bytes must be at least 1024")
         if self.max_inflight_requests < 1:
             raise ValueError("--max-inflight-requests must be at least 1")
+        if self.max_inflight_tokens < 1:
+            raise ValueError("--max-inflight-tokens must be at least 1")
+        if not self.max_compression_ratio >= 1:
+            raise ValueError("--max-compression-ratio must be at least 1")
         if self.max_stop_strings < 0 or self.max_stop_string_chars < 1:
             raise ValueError("stop-string limits must be positive")
         if self.shutdown_grace_s < 0:

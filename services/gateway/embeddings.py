@@ -28,7 +28,7 @@ _INT32_MAX = 2**31 - 1
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)  # unknown fields: a 400 naming them
 
     input: Any                       # required; shape checked in openai_inputs()
     model: str | None = None

@@ -7,13 +7,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from services.common import pb
 from services.gateway.choices import ChoiceBuilder, ChoiceGroup, ChoiceSpec
 from services.gateway.engine_client import Delta
 from services.gateway.openai_format import sse, usage
 from services.gateway.service import Gateway
+from services.gateway.sse import SSEResponse, coalesce
 
 # (request, group, awaitable) -> its result; aborts the group and raises when the client leaves
 Watch = Callable[[Request, ChoiceGroup, Awaitable], Awaitable]
@@ -39,24 +40,33 @@ class _Body:
 
 async def _stream(body: _Body, group: ChoiceGroup, builders: list[ChoiceBuilder],
                   first: tuple[int, Delta], state) -> AsyncIterator[str]:
+    """The SSE events, joined per wake-up: all the deltas queued by then are coalesced."""
     try:
-        for b in builders:
-            for choice in b.opening():
-                yield body.chunk([choice])
-        index, delta = first
-        while True:
-            if delta.error is not None:
-                state.outcome = f"error:{delta.error.kind}"
-                yield sse(delta.error.to_openai())
-                break
-            for choice in builders[index].stream(delta):
-                yield body.chunk([choice])
-            if all(b.done for b in builders):
-                if body.include_usage:
-                    yield sse({**body.envelope(body.object, []), "usage": usage(group)})
-                break
-            index, delta = await anext(group)
-        yield sse("[DONE]")
+        parts = [body.chunk([choice]) for b in builders for choice in b.opening()]
+        pending = coalesce([first, *group.ready()])
+        ended = False
+        while not ended:
+            for index, delta in pending:
+                if delta.error is not None:
+                    if state.outcome != "client_disconnected":
+                        state.outcome = f"error:{delta.error.kind}"
+                    parts.append(sse(delta.error.to_openai()))
+                    ended = True
+                    break
+                parts.extend(body.chunk([choice]) for choice in builders[index].stream(delta))
+                if all(b.done for b in builders):
+                    if body.include_usage:
+                        parts.append(sse({**body.envelope(body.object, []),
+                                          "usage": usage(group)}))
+                    ended = True
+                    break
+            if not ended:
+                if parts:
+                    yield "".join(parts)
+                    parts = []
+                pending = coalesce([await anext(group), *group.ready()])
+        parts.append(sse("[DONE]"))
+        yield "".join(parts)
     except asyncio.CancelledError:
         state.outcome = "client_disconnected"
         raise
@@ -95,9 +105,12 @@ async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: typ
             group.abort()
             raise first[1].error
         if stream:
-            return StreamingResponse(_stream(body, group, builders, first, request.state),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            def on_disconnect() -> None:
+                request.state.outcome = "client_disconnected"
+                group.abort()
+
+            return SSEResponse(_stream(body, group, builders, first, request.state),
+                               on_disconnect=on_disconnect, headers={"Cache-Control": "no-cache"})
         await watch(request, group, _collect(group, builders, first))
     except client_gone:
         request.state.outcome = "client_disconnected"

@@ -15,7 +15,7 @@ from services.gateway.service import Gateway
 
 class TokenizeRequest(BaseModel):
     """Either `prompt` (text) or `messages` (rendered with the chat template)."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)  # unknown fields: a 400 naming them
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
@@ -28,7 +28,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)  # unknown fields: a 400 naming them
     model: str | None = None
     tokens: list[int]
 

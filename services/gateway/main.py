@@ -11,6 +11,7 @@ import socket
 
 import uvicorn
 
+from services.common import loops
 from services.common.grpc_server import bind, make_server
 from services.common.log import setup_logging
 from services.common.procs import install_stop_handlers
@@ -20,6 +21,7 @@ from services.gateway.embeddings import Embeddings
 from services.gateway.engine_client import EngineClient
 from services.gateway.grpc_api import SERVICE_NAME, add_to_server
 from services.gateway.http_app import create_app, with_request_context
+from services.gateway import security
 from services.gateway.service import Gateway
 from services.gateway.tokenizer_client import TokenizerClient
 
@@ -43,9 +45,10 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3")
     p.add_argument("--tool-call-parser", default=None, help="hermes | llama3_json")
+    security.add_flags(p, d)
     args = p.parse_args(argv)
     try:
-        return GatewayConfig(**vars(args))
+        return GatewayConfig(**security.config_kwargs(args))
     except ValueError as err:
         p.error(str(err))
 
@@ -100,26 +103,30 @@ async def serve(config: GatewayConfig) -> int:
     gw = Gateway(config, tokenizer, engine,
                  embeddings=Embeddings(embedder, config.served_model_name))
 
-    server, health = make_server("gateway", [SERVICE_NAME])
+    sec = security.Security(config)
+    server, health = make_server("gateway", [SERVICE_NAME], sec.grpc_interceptors())
     add_to_server(server, gw)
-    grpc_port = bind(server, f"{config.host}:{config.grpc_port}")
+    grpc_port = bind(server, f"{config.host}:{config.grpc_port}", sec.grpc_credentials())
     await server.start()
 
     sock = _listen(config.host, config.port)
     http_port = sock.getsockname()[1]
-    uv = _Uvicorn(uvicorn.Config(with_request_context(create_app(gw)), log_config=None,
-                                 access_log=False, lifespan="off",
-                                 timeout_graceful_shutdown=5))
+    uv = _Uvicorn(uvicorn.Config(sec.wrap_http(with_request_context(create_app(gw))),
+                                 log_config=None, access_log=False, lifespan="off",
+                                 timeout_graceful_shutdown=5, **sec.uvicorn_kwargs()))
     engine.start()
     if embedder is not None:
         embedder.start()
     tasks = [asyncio.create_task(uv.serve(sockets=[sock]), name="uvicorn"),
              asyncio.create_task(_readiness(gw, health, log), name="readiness")]
-    print(f"gateway http listening on http://{config.host}:{http_port}", flush=True)
+    scheme = "https" if config.tls.enabled else "http"
+    print(f"gateway http listening on {scheme}://{config.host}:{http_port}", flush=True)
     print(f"gateway grpc listening on {config.host}:{grpc_port}", flush=True)
 
     stop = asyncio.Event()
     install_stop_handlers(asyncio.get_running_loop(), stop)
+    sec.install_reload(asyncio.get_running_loop())
+    log.info("security: %s", sec.describe())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([stopper, tasks[0]], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: %d requests in flight", engine.num_inflight)
@@ -142,4 +149,4 @@ async def serve(config: GatewayConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    return asyncio.run(serve(config))
+    return loops.run(serve(config))

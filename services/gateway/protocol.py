@@ -1,17 +1,25 @@
 """OpenAI request bodies (pydantic) and their conversion to the engine's SamplingParams.
 
-Type errors become a readable 400 (never FastAPI's 422); unknown fields are ignored like
-OpenAI does. Range checks live in sampling.py so the gRPC API shares them."""
+Type errors become a readable 400 (never FastAPI's 422). Unknown top-level fields are a 400
+naming the field: a request can select no server internal (a template, a parser, a
+backend). OpenAI fields we accept and ignore are listed in `_IgnoredOpenAIFields`. Range
+checks live in sampling.py so the gRPC API shares them; body-level limits (JSON depth,
+UTF-8) are in `parse_body`."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from services.common import pb
 from services.gateway.errors import ApiError, invalid
-from services.gateway.sampling import MAX_LOGPROBS, MAX_N
+from services.gateway.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+
+MAX_JSON_DEPTH = 64             # nesting of the whole request body
+MAX_TOOLS_JSON_BYTES = 256 * 1024
+MAX_TOOLS_DEPTH = 32            # nesting inside `tools` (JSON schemas of the parameters)
 
 
 
@@ -20,10 +28,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _IgnoredOpenAIFields(BaseModel):
+    """OpenAI request fields that change nothing here; accepted so SDK users aren't refused."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class _SamplingFields(_IgnoredOpenAIFields):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -84,6 +102,12 @@ class _SamplingFields(BaseModel):
             raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of={self.best_of} is not supported yet: only 1 is", "best_of")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got "
+                          f"{len(self.logit_bias)}", "logit_bias")
+        if self.stop_token_ids and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                          f"{len(self.stop_token_ids)}", "stop_token_ids")
 
     def to_sampling(self) -> "pb.common.SamplingParams":
         """The engine's SamplingParams; max_tokens 0 = not given (filled in later)."""
@@ -217,6 +241,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None   # OpenAI; accepted, not used by our templates
 
     def _effective_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -236,6 +261,8 @@ class ChatCompletionRequest(_SamplingFields):
                           "output is not supported yet", "response_format")
         if not self.messages:
             raise invalid("messages must contain at least one message", "messages")
+        if self.tools:
+            check_tools(self.tools)
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid("add_generation_prompt and continue_final_message cannot both be "
                           "true", "continue_final_message")
@@ -253,6 +280,11 @@ class ChatCompletionRequest(_SamplingFields):
 def describe_validation_error(err: ValidationError) -> ApiError:
     """A pydantic error as one readable 400 (the first few problems, with field paths)."""
     problems, param = [], None
+    unknown = [e for e in err.errors(include_url=False) if e.get("type") == "extra_forbidden"]
+    if unknown:
+        loc = [str(p) for p in unknown[0].get("loc", ())]
+        return invalid(f"unknown field {'.'.join(loc)!r}: this server does not accept it",
+                       loc[0] if loc else None)
     for e in err.errors(include_url=False)[:3]:
         loc = [str(p) for p in e.get("loc", ())]
         if e.get("type") in ("json_invalid", "json_type"):
@@ -267,8 +299,56 @@ def describe_validation_error(err: ValidationError) -> ApiError:
     return invalid("; ".join(problems) or "invalid request", param)
 
 
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth_exceeds(body: bytes, max_depth: int) -> bool:
+    """Does the JSON text nest deeper than `max_depth`? (brackets inside strings ignored)"""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return False  # the common case: too few brackets to nest that deep
+    depth = 0
+    for b in _JSON_STRING.sub(b'""', body).translate(None, _NOT_BRACKETS):
+        if b in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > max_depth:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, stopping once past `limit`."""
+    stack, deepest = [(value, 1)], 0
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_tools(tools: list[dict[str, Any]]) -> None:
+    size = len(json.dumps(tools))
+    if size > MAX_TOOLS_JSON_BYTES:
+        raise invalid(f"tools must be at most {MAX_TOOLS_JSON_BYTES} bytes of JSON, got {size}",
+                      "tools")
+    if _depth(tools, MAX_TOOLS_DEPTH) > MAX_TOOLS_DEPTH:
+        raise invalid(f"tools nest deeper than {MAX_TOOLS_DEPTH} levels", "tools")
+
+
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        raise invalid(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
     try:
         return model.model_validate_json(body)
     except ValidationError as err:
+        if any(e.get("type") == "json_invalid" for e in err.errors(include_url=False)):
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise invalid(f"the request body is not valid UTF-8 (byte {bad.start})") from None
         raise describe_validation_error(err) from None

@@ -14,6 +14,8 @@ from services.gateway.errors import invalid
 MAX_LOGPROBS = 20
 MAX_N = 16  # choices per request (each is its own engine request)
 MAX_CACHE_SALT_CHARS = 256
+MAX_LOGIT_BIAS = 1024      # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 64
 # cache_salt goes into the prefix-cache hash; printable, no spaces, so logs stay one line.
 _CACHE_SALT = re.compile(r"^[A-Za-z0-9._:@/+=\-]*$")
 
@@ -24,8 +26,8 @@ class Limits:
     vocab_size: int
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
-    max_logit_bias: int = 1024        # logit_bias entries per request
-    max_stop_token_ids: int = 64
+    max_logit_bias: int = MAX_LOGIT_BIAS
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
 
 
 def _finite(name: str, value: float) -> None:

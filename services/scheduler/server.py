@@ -23,7 +23,9 @@ log = logging.getLogger("meshllm.scheduler")
 
 @dataclass
 class _Stream:
-    """One gateway connection: its outgoing queue and the requests it owns."""
+    """One gateway connection: its outgoing queue and the requests it owns.
+
+    The queue holds (step id, outputs) pairs, and None once the gateway closed its side."""
 
     queue: asyncio.Queue
     request_ids: set[str]
@@ -118,7 +120,7 @@ class Engine:
             if key in self._streams:
                 per_stream.setdefault(key, []).append(out)
         for key, outs in per_stream.items():
-            self._streams[key].queue.put_nowait(wire.outputs_to_proto(step_id, outs))
+            self._streams[key].queue.put_nowait((step_id, outs))
 
     @staticmethod
     def _log_finished(out: RequestOutput, live: list | None) -> None:
@@ -184,19 +186,24 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
         key, stream = engine.open_stream()
 
         async def pump() -> None:
-            async for msg in request_iterator:
-                engine.submit(key, msg)
+            try:
+                async for msg in request_iterator:
+                    engine.submit(key, msg)
+            finally:
+                stream.queue.put_nowait(None)  # the gateway closed its side
 
         reader = asyncio.create_task(pump())
         try:
-            while True:
-                get = asyncio.create_task(stream.queue.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if get in done:
-                    yield get.result()
-                else:
-                    get.cancel()
-                    return  # the gateway closed its side
+            while (item := await stream.queue.get()) is not None:
+                step_id, outs = item
+                # Steps that queued up while the gateway was slow to read go out as one
+                # message: it reads one message at a time, so this is what lets it catch up.
+                while not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                    if item is None:
+                        return
+                    step_id, outs = item[0], outs + item[1]
+                yield wire.outputs_to_proto(step_id, outs)
         finally:
             reader.cancel()
             engine.close_stream(key)

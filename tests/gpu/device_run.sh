@@ -12,7 +12,7 @@ for f in .gpuc/part1 .gpuc2/part2; do [ -f $f ] && cp $f /root/gpuc/; done
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a $OUT/env.txt
 python3 -c "import grpc, google.protobuf as p, torch, triton, transformers as t; print(grpc.__version__, p.__version__, torch.__version__, triton.__version__, t.__version__)" | tee -a $OUT/env.txt
 if [ "$stage" = kernels ]; then
-  timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_kernels_full_shapes.py 2>&1 | tee $OUT/gpu_kernels.log || exit 1
+  timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_kernels_full_shapes.py tests/gpu/test_sampling_gpu.py 2>&1 | tee $OUT/gpu_kernels.log || exit 1
   timeout ${BENCH_TIMEOUT:-330} python3 bench/gpu_decode.py --out $OUT/gpu_decode.json ${BENCH_ARGS:---offline-cap-s 100} 2>&1 | tee $OUT/bench.log
 elif [ "$stage" = parity ]; then
   ls -la /root/gpuc
@@ -23,5 +23,5 @@ elif [ "$stage" = parity ]; then
   else
     echo "SmolLM2 GGUF parts missing (machine went cold between calls)"
   fi
-  timeout ${PEER_TIMEOUT:-240} python3 bench/gpu_decode.py --peer --out $OUT/peer.json ${PEER_ARGS:-} 2>&1 | tail -20 | tee $OUT/peer.log
+  [ -n "$SKIP_PEER" ] || timeout ${PEER_TIMEOUT:-240} python3 bench/gpu_decode.py --peer --out $OUT/peer.json ${PEER_ARGS:-} 2>&1 | tail -20 | tee $OUT/peer.log
 fi

@@ -26,13 +26,18 @@ def test_completion_request_converts_to_sampling_params():
     req = parse_body(CompletionRequest, body(
         model="m", prompt="hi", max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
         stop="END", stop_token_ids=[5], ignore_eos=True, skip_special_tokens=False,
-        unknown_field={"ignored": True}))
+        metadata={"ignored": True}))  # an OpenAI field we accept and ignore
     sp = req.to_sampling()
     assert (sp.max_tokens, sp.top_k, sp.seed, list(sp.stop), list(sp.stop_token_ids)) == \
         (7, 40, 3, ["END"], [5])
     assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
     assert sp.ignore_eos and not sp.skip_special_tokens
     assert not sp.HasField("logprobs")
+
+
+def test_unknown_fields_are_a_400_naming_the_field():
+    err = error_of(parse_body, CompletionRequest, body(prompt="hi", unknown_field=1))
+    assert err["param"] == "unknown_field" and "unknown_field" in err["message"]
 
 
 def test_defaults_follow_openai_and_leave_max_tokens_to_the_context():

@@ -89,6 +89,17 @@ class LlamaModel:
         self.max_model_len = max_model_len
         self.cos, self.sin = rope_cos_sin(cfg, max_model_len, self.dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
+        # Tensor parallel (services/worker/tp.py): this rank holds nh/N q heads, kvh/N kv heads and
+        # I/N of the MLP; the row-parallel o and down projections end in one all-reduce each.
+        self.tp_group = None
+        self.tp_size = 1
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the row-parallel partial outputs of every rank (identity without TP)."""
+        if self.tp_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(x, group=self.tp_group)
+        return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -110,10 +121,10 @@ class LlamaModel:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.view(t, kvh, d), kv_cache, attn, self.scale)  # [T, nh, d]
-            h = h + F.linear(o.reshape(t, nh * d), layer.o, layer.o_bias)
+            h = h + self.reduce(F.linear(o.reshape(t, nh * d), layer.o, layer.o_bias))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            h = h + self.reduce(F.linear(F.silu(gate) * up, layer.down, layer.down_bias))
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,10 +61,10 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
         paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
                         attn.max_query_len, model.scale, out=attn_out,
                         sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
-        o = F.linear(attn_out.view(t, nh * d), layer.o, layer.o_bias)
+        o = model.reduce(F.linear(attn_out.view(t, nh * d), layer.o, layer.o_bias))
         x = add_rms_norm(o, layer.post_norm, eps, residual=residual)                # residual += o
         gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)                    # [T, 2I]
-        mlp = F.linear(silu_mul(gate_up), layer.down, layer.down_bias)
+        mlp = model.reduce(F.linear(silu_mul(gate_up), layer.down, layer.down_bias))
         next_norm = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
         x = add_rms_norm(mlp, next_norm, eps, residual=residual)                    # residual += mlp
     return x

@@ -1,0 +1,72 @@
+"""Tensor parallelism for the Llama family (Megatron layout) over torch.distributed.
+
+Rank r of N keeps, per layer: q heads [r*nh/N, (r+1)*nh/N) and kv heads [r*kvh/N, ...) of the
+fused qkv (column-parallel), the matching input columns of o (row-parallel), gate and up rows
+[r*I/N, ...) (column-parallel) and the matching input columns of down (row-parallel). Embedding,
+norms and lm_head are replicated. The forward's two all-reduces (after o and after down) live in
+LlamaModel.reduce. Row-parallel biases are added by rank 0 only, so the sum counts them once.
+Every rank runs the same StepPlan, so every rank samples the same tokens (greedy, or seeded noise).
+
+Backends: NCCL on GPUs, gloo on CPUs. `init_tp` expects MASTER_ADDR/MASTER_PORT (env://) or an
+explicit init_method such as tcp://127.0.0.1:PORT.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from services.worker.models.config import ModelConfigError
+from services.worker.models.llama import LayerWeights, LlamaModel
+
+
+def init_tp(rank: int, world_size: int, device: torch.device, init_method: str = "env://"):
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return dist.group.WORLD
+
+
+def _rows(t: torch.Tensor | None, start: int, size: int) -> torch.Tensor | None:
+    return None if t is None else t[start:start + size].contiguous()
+
+
+def shard_model(model: LlamaModel, rank: int, world_size: int, group=None) -> LlamaModel:
+    """The rank's shard of a loaded (full) model, as a new LlamaModel wired to `group`."""
+    cfg = model.cfg
+    n = world_size
+    nh, kvh, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if nh % n or kvh % n or inter % n:
+        raise ModelConfigError(f"tensor parallel size {n} must divide num_heads {nh}, num_kv_heads {kvh} "
+                               f"and intermediate_size {inter}")
+    qs, ks, i_s = nh // n * d, kvh // n * d, inter // n
+    layers = []
+    for lw in model.layers:
+        q_all, k_all, v_all = lw.qkv.split([nh * d, kvh * d, kvh * d], dim=0)
+        qkv = torch.cat([q_all[rank * qs:(rank + 1) * qs], k_all[rank * ks:(rank + 1) * ks],
+                         v_all[rank * ks:(rank + 1) * ks]]).contiguous()
+        qkv_bias = None
+        if lw.qkv_bias is not None:
+            qb, kb, vb = lw.qkv_bias.split([nh * d, kvh * d, kvh * d])
+            qkv_bias = torch.cat([qb[rank * qs:(rank + 1) * qs], kb[rank * ks:(rank + 1) * ks],
+                                  vb[rank * ks:(rank + 1) * ks]])
+        gate, up = lw.gate_up.chunk(2, dim=0)
+        gate_up = torch.cat([gate[rank * i_s:(rank + 1) * i_s], up[rank * i_s:(rank + 1) * i_s]]).contiguous()
+        gate_up_bias = None
+        if lw.gate_up_bias is not None:
+            gb, ub = lw.gate_up_bias.chunk(2)
+            gate_up_bias = torch.cat([gb[rank * i_s:(rank + 1) * i_s], ub[rank * i_s:(rank + 1) * i_s]])
+        layers.append(LayerWeights(
+            input_norm=lw.input_norm, qkv=qkv, qkv_bias=qkv_bias,
+            o=lw.o[:, rank * qs:(rank + 1) * qs].contiguous(),
+            o_bias=lw.o_bias if rank == 0 else None,
+            post_norm=lw.post_norm, gate_up=gate_up, gate_up_bias=gate_up_bias,
+            down=lw.down[:, rank * i_s:(rank + 1) * i_s].contiguous(),
+            down_bias=lw.down_bias if rank == 0 else None,
+            q_norm=lw.q_norm, k_norm=lw.k_norm))
+    local_cfg = dataclasses.replace(cfg, num_heads=nh // n, num_kv_heads=kvh // n, intermediate_size=i_s)
+    shard = LlamaModel(local_cfg, model.embed, layers, model.final_norm, model.lm_head, model.max_model_len)
+    shard.tp_group, shard.tp_size = group, n
+    return shard

@@ -1,0 +1,51 @@
+"""Tensor parallel on the CPU (gloo, 2 processes): tp=2 samples the same greedy tokens as tp=1."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.worker.models import load_model
+from services.worker.models.config import ModelConfigError
+from services.worker.tp import shard_model
+from tests.unit.tiny_llama import make_tiny_llama
+from tests.unit.tp_rank import run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_over_gloo_gives_the_tp1_greedy_tokens(tmp_path):
+    model_dir = make_tiny_llama(tmp_path / "m", seed=7)
+    want = run(load_model(model_dir))
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.tp_rank", str(model_dir), str(r), "2", str(port),
+                               str(tmp_path / f"rank{r}.json")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out.decode()[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1] == want
+
+
+def test_shard_rejects_a_size_that_does_not_divide_the_heads(tmp_path):
+    model = load_model(make_tiny_llama(tmp_path, seed=1))  # 6 q heads, 2 kv heads
+    with pytest.raises(ModelConfigError, match="must divide"):
+        shard_model(model, 0, 3)
