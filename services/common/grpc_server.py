@@ -118,8 +118,9 @@ def bind(server: grpc.aio.Server, address: str,
     return port
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
+    """`options` are added to (and override) GRPC_OPTIONS."""
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + list(options or []))
 
 
 async def wait_ready(address: str, service: str, timeout_s: float = 60.0) -> None:

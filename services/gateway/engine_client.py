@@ -27,6 +27,11 @@ log = logging.getLogger("meshllm.gateway.engine")
 
 DETOKENIZE_PREFIX_TOKENS = 8  # prompt context so the first output token keeps its space
 MAX_DETOKENIZE_INFLIGHT = 1   # Detokenize messages outstanding; steps read meanwhile are merged
+# A fixed 64 KiB receive window on the EngineStream (no BDP probing, which grows it to
+# megabytes): when the gateway reads slower than the engine steps, the scheduler's write
+# blocks after a few dozen steps and it merges the steps queued behind it into one message,
+# instead of thousands of step messages waiting in HTTP/2 buffers (each read costs the same).
+ENGINE_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 * 1024)]
 _FINISH = {pb.common.FINISH_REASON_STOP: "stop", pb.common.FINISH_REASON_LENGTH: "length"}
 
 
@@ -178,7 +183,7 @@ class EngineClient:
         self.max_inflight_requests = max_inflight_requests
         self.info: "pb.engine.EngineInfo | None" = None
         self.connected = False
-        self._channel = channel(address)
+        self._channel = channel(address, ENGINE_CHANNEL_OPTIONS)
         self._stub = pb.engine_grpc.EngineStub(self._channel)
         self._requests: dict[str, RequestHandle] = {}
         self._pending_submits: dict[str, "pb.engine.EngineSubmit"] = {}

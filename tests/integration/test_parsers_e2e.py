@@ -1,10 +1,10 @@
 """Parsers, tools and template arguments through a mesh started with
 --reasoning-parser deepseek_r1 --tool-call-parser hermes --chat-template FILE.
 
-SmolLM2 cannot really call tools, so what is proven end to end here is the wiring: the
-reasoning parser on real output (stream and whole agree), tools / tool messages /
-chat_template_kwargs reaching the template, and the validation. The parsers' own logic
-is pinned by tests/unit/test_parser_conformance.py."""
+What is proven here is the wiring: the reasoning parser on real output (stream and whole
+agree), tools / tool messages / chat_template_kwargs reaching the template, and the
+validation. A real model-made tool call is in test_tool_calls_e2e.py; the parsers' own
+logic is pinned by tests/unit/test_parser_conformance.py."""
 from __future__ import annotations
 
 import httpx

@@ -1,0 +1,80 @@
+"""A real tool call end to end: SmolLM2 with the model's own chat template and a one-shot
+example emits a Hermes-style <tool_call>, and the gateway (--tool-call-parser hermes) returns
+it as OpenAI tool_calls with finish_reason "tool_calls", whole and streamed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.meshproc import start_mesh
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SHOT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+MESSAGES = [{"role": "system", "content": "You call tools. To get weather, answer ONLY with a tool call like:\n" + SHOT},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": SHOT},
+            {"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_mesh(smollm2_dir):
+    m = start_mesh(str(smollm2_dir), "--max-model-len", "1024", "--tool-call-parser", "hermes")
+    yield m
+    assert m.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(tool_mesh):
+    return OpenAI(base_url=f"{tool_mesh.http_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_the_model_calls_a_tool_and_the_parser_returns_it(client, tool_mesh):
+    r = client.chat.completions.create(model=tool_mesh.model_name, messages=MESSAGES, tools=TOOLS,
+                                       max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id and not choice.message.content
+
+
+def test_a_streamed_tool_call_assembles_to_the_same_call(client, tool_mesh):
+    chunks = list(client.chat.completions.create(model=tool_mesh.model_name, messages=MESSAGES, tools=TOOLS,
+                                                 max_tokens=40, temperature=0, stream=True))
+    name, args, ids = "", "", set()
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    for tc in deltas:
+        assert tc.index == 0
+        if tc.id:
+            ids.add(tc.id)
+        if tc.function:
+            name += tc.function.name or ""
+            args += tc.function.arguments or ""
+    assert name == "get_weather" and json.loads(args) == {"city": "Paris"} and len(ids) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_choice_none_leaves_the_text_as_content(client, tool_mesh):
+    r = client.chat.completions.create(model=tool_mesh.model_name, messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="none", max_tokens=40, temperature=0)
+    assert r.choices[0].finish_reason != "tool_calls" and not r.choices[0].message.tool_calls
+
+
+def test_the_tool_result_turn_is_answered(client, tool_mesh):
+    first = client.chat.completions.create(model=tool_mesh.model_name, messages=MESSAGES, tools=TOOLS,
+                                           max_tokens=40, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model=tool_mesh.model_name, messages=history, tools=TOOLS, max_tokens=16,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > 0
