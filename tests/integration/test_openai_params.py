@@ -177,3 +177,27 @@ def test_tokenize_and_detokenize_round_trip_in_vllm_shapes(http, mesh):
     bad = http.post("/detokenize", json={"tokens": [10 ** 9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert http.post("/tokenize", json={}).status_code == 400
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": 0, "presence_penalty": 2.0},
+    {"temperature": 0, "frequency_penalty": 2.0},
+    {"temperature": 0, "repetition_penalty": 1.8},
+    {"temperature": 1.0, "seed": 7, "top_p": 0.9},
+    {"temperature": 1.0, "seed": 7, "top_k": 5, "min_p": 0.05},
+    {"temperature": 0, "min_tokens": 6, "ignore_eos": True},
+    {"temperature": 0, "stop": [" apples"]},
+    {"temperature": 0, "max_tokens": 3},
+])
+def test_streaming_gives_the_same_effect_as_non_streaming(client, mesh, kw):
+    """The same parameters streamed and not give the same text and finish reason."""
+    kw = dict(kw)
+    kw.setdefault("max_tokens", 10)
+    whole = complete(client, mesh, REPEAT, **dict(kw))
+    extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens") if k in kw}
+    chunks = list(client.completions.create(model=mesh.model_name, prompt=REPEAT, stream=True,
+                                            extra_body=extra or None, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].text
+    assert finish == [whole.choices[0].finish_reason]
