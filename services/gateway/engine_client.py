@@ -11,7 +11,6 @@ A FIFO keeps Detokenize responses in order."""
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ MAX_DETOKENIZE_INFLIGHT = 1   # Detokenize messages outstanding; steps read mean
 # megabytes): when the gateway reads slower than the engine steps, the scheduler's write
 # blocks after a few dozen steps and it merges the steps queued behind it into one message,
 # instead of thousands of step messages waiting in HTTP/2 buffers (each read costs the same).
-ENGINE_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", int(os.environ.get("FC_LA", 65536)))]
+ENGINE_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0),
+                          ("grpc.http2.lookahead_bytes", 64 * 1024)]
 _FINISH = {pb.common.FINISH_REASON_STOP: "stop", pb.common.FINISH_REASON_LENGTH: "length"}
 
 
@@ -59,7 +59,7 @@ class Delta:
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.token_strings.update(later.token_strings)
-        self.num_cached_tokens = later.num_cached_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
 
