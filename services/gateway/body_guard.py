@@ -21,6 +21,8 @@ from services.gateway.errors import ApiError
 
 _INFLATE_STEP = 64 * 1024           # most bytes one decompress call may produce
 RATIO_FLOOR_BYTES = 1024 * 1024     # the ratio limit applies past this many output bytes
+DRAIN_MAX_BYTES = 64 * 1024 * 1024  # a refused body is read and dropped up to this much ...
+DRAIN_MAX_S = 5.0                   # ... or for this long, before the error is sent
 
 
 class BodyRejected(Exception):
@@ -177,6 +179,8 @@ class BodyGuard:
         except BodyRejected as rejected:
             if rejected.err.kind == "cancelled":
                 return
+            if not read_all:
+                read_all = await _drain(receive)
             return await _send_error(send, rejected.err, scope, close=not read_all)
         new_headers = [(k, v) for k, v in headers
                        if k not in (b"content-encoding", b"content-length")]
@@ -191,6 +195,27 @@ class BodyGuard:
             return await receive()  # after the body: only the disconnect can come
 
         await self.app({**scope, "headers": new_headers}, replay, send)
+
+
+async def _drain(receive) -> bool:
+    """Read and discard what is left of a refused body (bounded in bytes and time), so the
+    error reaches the client: closing a socket with unread input makes the kernel send a
+    reset, which can destroy the response before the client reads it. True if all was read."""
+    import asyncio
+    import time
+    deadline = time.monotonic() + DRAIN_MAX_S
+    drained = 0
+    try:
+        while drained <= DRAIN_MAX_BYTES:
+            message = await asyncio.wait_for(receive(), max(0.01, deadline - time.monotonic()))
+            if message["type"] != "http.request":
+                return True
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+    except asyncio.TimeoutError:
+        pass
+    return False
 
 
 async def _send_error(send, err: ApiError, scope, close: bool) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -175,6 +175,34 @@ class Engine:
         self._wake.set()
 
 
+def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
+    """Consecutive steps' outputs as one step: one output per request, its tokens and
+    logprobs in order, the last one's finish (nothing follows a finish)."""
+    merged: dict[str, RequestOutput] = {}
+    copied: set[str] = set()
+    earlier: list[RequestOutput] = []   # finished requests whose id came back (kept apart)
+    for outs in steps:
+        for o in outs:
+            rid = o.request_id
+            m = merged.get(rid)
+            if m is None or m.finish_reason is not None:
+                if m is not None:
+                    earlier.append(m)
+                    copied.discard(rid)
+                merged[rid] = o
+                continue
+            if rid not in copied:  # extend a copy: the core's outputs stay as they were
+                copied.add(rid)
+                m = merged[rid] = replace(m, new_token_ids=list(m.new_token_ids),
+                                          logprobs=list(m.logprobs))
+            m.new_token_ids += o.new_token_ids
+            m.logprobs += o.logprobs
+            m.finish_reason, m.error_code, m.error_message = o.finish_reason, o.error_code, o.error_message
+            m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
+            m.num_prompt_tokens, m.stop_token_id = o.num_prompt_tokens, o.stop_token_id
+    return earlier + list(merged.values())
+
+
 class EngineServicer(pb.engine_grpc.EngineServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -198,11 +226,15 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
                 step_id, outs = item
                 # Steps that queued up while the gateway was slow to read go out as one
                 # message: it reads one message at a time, so this is what lets it catch up.
-                while not stream.queue.empty():
-                    item = stream.queue.get_nowait()
-                    if item is None:
-                        return
-                    step_id, outs = item[0], outs + item[1]
+                if not stream.queue.empty():
+                    steps = [outs]
+                    while not stream.queue.empty():
+                        item = stream.queue.get_nowait()
+                        if item is None:
+                            return
+                        step_id = item[0]
+                        steps.append(item[1])
+                    outs = merge_steps(steps)
                 yield wire.outputs_to_proto(step_id, outs)
         finally:
             reader.cancel()

@@ -2,6 +2,8 @@
 gateway process in front of the shared mesh's tokenizer and scheduler."""
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import socket
@@ -195,7 +197,7 @@ def test_admission_beyond_the_inflight_limit_is_a_429_and_admitted_requests_fini
     gw = start_gateway(mesh, "--max-inflight-requests", "2", "--max-inflight-tokens", "1000")
     base = f"http://127.0.0.1:{gw.http_port}"
     long_req = {"model": mesh.model_name, "prompt": "Count:", "max_tokens": 30,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     results: list[int] = []
     started = [threading.Event(), threading.Event()]
 
@@ -205,7 +207,9 @@ def test_admission_beyond_the_inflight_limit_is_a_429_and_admitted_requests_fini
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     started[i].set()
-                    tokens += 1
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        tokens = usage["completion_tokens"]
             results.append(tokens if resp.status_code == 200 else -resp.status_code)
             started[i].set()
 
@@ -225,7 +229,7 @@ def test_admission_beyond_the_inflight_limit_is_a_429_and_admitted_requests_fini
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for t in threads:
             t.join(120)
-        assert results == [30, 30]  # one SSE chunk per token here (no stop strings)
+        assert results == [30, 30]  # both admitted requests ran to the end
         # Freed: the next request is admitted; one that alone needs too many tokens is a 400.
         assert httpx.post(base + "/v1/completions", json=completion(mesh), timeout=60).status_code == 200
         r = httpx.post(base + "/v1/completions", timeout=60,
