@@ -255,6 +255,7 @@ class EngineClient:
     def _forget(self, handle: RequestHandle) -> None:
         """Release the engine's and the tokenizer's state of a request we stopped early."""
         rid = handle.request_id
+        self._unsent.pop(rid, None)  # read, not yet detokenized: nobody will want them
         if not handle._engine_done:
             handle._engine_done = True
             if self._pending_submits.pop(rid, None) is None:
