@@ -22,6 +22,8 @@ class ConnectError(Exception):
 
 
 class _Conn:
+    reused = False   # taken from the keep-alive pool rather than freshly opened
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
@@ -42,9 +44,11 @@ class HttpClient:
         self._idle: list[_Conn] = []
         self._limit = limit
 
-    async def _connect(self) -> _Conn:
-        if self._idle:
-            return self._idle.pop()
+    async def _connect(self, reuse: bool = True) -> _Conn:
+        if reuse and self._idle:
+            conn = self._idle.pop()
+            conn.reused = True
+            return conn
         try:
             reader, writer = await asyncio.open_connection(
                 self.host, self.port, ssl=ssl.create_default_context() if self.tls else None,
@@ -72,14 +76,30 @@ class HttpClient:
         async for status, data in self._request("POST", path, body, raise_status=True):
             yield data
 
-    async def _request(self, method: str, path: str, body: bytes, raise_status: bool = False):
-        conn = await self._connect()
+    async def _send_head(self, method: str, path: str, body: bytes) -> tuple[_Conn, bytes]:
+        """Send the request; returns the connection and the status line. A kept-alive
+        connection the server closed while idle fails before any status line: the
+        request is then sent once more on a fresh connection (as browsers do)."""
         head = (f"{method} {self.prefix}{path} HTTP/1.1\r\n{self._head}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        data = head.encode("latin-1") + body
+        conn = await self._connect()
+        for fresh in (False, True):
+            try:
+                conn.writer.write(data)
+                status_line = await conn.reader.readline()
+            except (ConnectionError, OSError):
+                status_line = b""
+            if status_line or fresh or not conn.reused:
+                return conn, status_line
+            conn.close()
+            conn = await self._connect(reuse=False)
+        return conn, b""
+
+    async def _request(self, method: str, path: str, body: bytes, raise_status: bool = False):
+        conn, status_line = await self._send_head(method, path, body)
         reusable = False
         try:
-            conn.writer.write(head.encode("latin-1") + body)
-            status_line = await conn.reader.readline()
             if not status_line:
                 raise ConnectionResetError("the server closed the connection")
             status = int(status_line.split(b" ", 2)[1])
