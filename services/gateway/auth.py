@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
 from collections.abc import Iterable
 
 import grpc
 
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, send_asgi_error
 
 log = logging.getLogger("meshllm.gateway.auth")
 
@@ -142,18 +141,8 @@ class ApiKeyAuth:
         try:
             self.keys.check(auth, admin, f"{scope.get('method')} {path}", f"{client[0]}")
         except ApiError as err:
-            state = scope.get("state")
-            if isinstance(state, dict):
-                state["outcome"] = f"error:{err.kind}"
-            payload = json.dumps(err.to_openai()).encode()
-            headers = [(b"content-type", b"application/json"),
-                       (b"content-length", str(len(payload)).encode())]
-            if err.http_status == 401:
-                headers.append((b"www-authenticate", b'Bearer realm="meshllm"'))
-            await send({"type": "http.response.start", "status": err.http_status,
-                        "headers": headers})
-            await send({"type": "http.response.body", "body": payload})
-            return
+            challenge = [(b"www-authenticate", b'Bearer realm="meshllm"')] if err.http_status == 401 else []
+            return await send_asgi_error(send, err, scope, challenge)
         await self.app(scope, receive, send)
 
 

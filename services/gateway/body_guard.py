@@ -14,10 +14,9 @@ Pure ASGI (not BaseHTTPMiddleware): it only touches the request side; responses,
 streams included, pass straight through."""
 from __future__ import annotations
 
-import json
 import zlib
 
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, send_asgi_error
 
 _INFLATE_STEP = 64 * 1024           # most bytes one decompress call may produce
 RATIO_FLOOR_BYTES = 1024 * 1024     # the ratio limit applies past this many output bytes
@@ -181,7 +180,9 @@ class BodyGuard:
                 return
             if not read_all:
                 read_all = await _drain(receive)
-            return await _send_error(send, rejected.err, scope, close=not read_all)
+            # Unread input left behind: the connection can't be reused.
+            return await send_asgi_error(send, rejected.err, scope,
+                                         [] if read_all else [(b"connection", b"close")])
         new_headers = [(k, v) for k, v in headers
                        if k not in (b"content-encoding", b"content-length")]
         new_headers.append((b"content-length", str(len(body)).encode()))
@@ -216,16 +217,3 @@ async def _drain(receive) -> bool:
     except asyncio.TimeoutError:
         pass
     return False
-
-
-async def _send_error(send, err: ApiError, scope, close: bool) -> None:
-    state = scope.get("state")
-    if isinstance(state, dict):
-        state["outcome"] = f"error:{err.kind}"
-    payload = json.dumps(err.to_openai()).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(payload)).encode())]
-    if close:  # the rest of the body is never read: the connection can't be reused
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": err.http_status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})

@@ -78,3 +78,16 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError("invalid_argument", message, param=param)
+
+
+async def send_asgi_error(send, err: "ApiError", scope, extra_headers=()) -> None:
+    """Answer an ASGI request with `err` in OpenAI's shape, from middleware below the app."""
+    import json
+    state = scope.get("state")
+    if isinstance(state, dict):
+        state["outcome"] = f"error:{err.kind}"
+    payload = json.dumps(err.to_openai()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": err.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -15,7 +15,7 @@ import grpc
 from services.common import pb
 from services.scheduler import wire
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.core import FinishReason, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.core import RequestOutput, Scheduler, SchedulerConfig
 from services.scheduler.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("meshllm.scheduler")

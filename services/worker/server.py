@@ -21,20 +21,11 @@ from services.worker.config import WorkerConfig
 from services.worker.models import load_model
 from services.worker.models.config import ModelConfigError
 from services.worker.runner import ModelRunner, PlanError
+from services.worker.zmq_link import bind_router
 
 log = logging.getLogger("meshllm.worker")
 
 _POLL_MS = 100
-
-
-def bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
-    """Bind the ROUTER; `tcp://host:0` picks a free port. Returns the socket and real address."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if address.startswith("tcp://") and address.endswith(":0"):
-        address = address[:-2] + ":*"
-    sock.bind(address)
-    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 class _Stats:

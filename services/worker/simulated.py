@@ -28,6 +28,7 @@ from services.common import pb
 from services.common.grpc_server import bind, make_server
 from services.common.procs import install_stop_handlers
 from services.worker.config import WorkerConfig
+from services.worker.zmq_link import bind_router
 
 log = logging.getLogger("meshllm.worker.simulated")
 
@@ -222,16 +223,6 @@ def _error_reply(message: str) -> pb.step.WorkerReply:
     return reply
 
 
-def _bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
-    # The same as server.bind_router, repeated here so this module never imports torch.
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if address.startswith("tcp://") and address.endswith(":0"):
-        address = address[:-2] + ":*"
-    sock.bind(address)
-    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
 async def serve(cfg: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -246,7 +237,7 @@ async def serve(cfg: WorkerConfig) -> int:
     await server.start()
     ctx = zmq.Context()
     try:
-        sock, zmq_addr = _bind_router(ctx, cfg.zmq_addr)
+        sock, zmq_addr = bind_router(ctx, cfg.zmq_addr)
     except zmq.ZMQError as exc:
         log.error("cannot bind %s: %s", cfg.zmq_addr, exc)
         await server.stop(None)

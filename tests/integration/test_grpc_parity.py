@@ -2,7 +2,6 @@
 n, stop, Tokenize, ListModels, Abort and cancellation, through generated stubs."""
 from __future__ import annotations
 
-import threading
 
 import grpc
 import pytest
