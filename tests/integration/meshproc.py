@@ -3,20 +3,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:
@@ -83,18 +78,33 @@ class MeshProcess:
             return self.proc.wait()
 
 
-def start_mesh(model_dir: str, *extra: str, ready_timeout_s: float = 300.0) -> MeshProcess:
+def start_mesh(model_dir: str, *extra: str, ready_timeout_s: float = 300.0, attempts: int = 2) -> MeshProcess:
+    """Start `meshllm serve` on fresh ports and wait for /health. A mesh that dies while
+    starting (say, a port taken by an unrelated process in between) is tried once more."""
+    for attempt in range(attempts):
+        try:
+            return _start_mesh_once(model_dir, extra, ready_timeout_s)
+        except MeshExited:
+            if attempt == attempts - 1:
+                raise
+
+
+class MeshExited(RuntimeError):
+    pass
+
+
+def _start_mesh_once(model_dir: str, extra: tuple[str, ...], ready_timeout_s: float) -> MeshProcess:
+    import tempfile
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "services.cli.main", "serve", model_dir, "--port", str(http_port),
            "--grpc-port", str(grpc_port), "--served-model-name", "smollm2-135m-instruct", *extra]
-    import tempfile
     log = tempfile.NamedTemporaryFile(prefix="meshllm-launcher-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log)
     mesh = MeshProcess(proc, http_port, grpc_port, "smollm2-135m-instruct", log.name)
     deadline = time.monotonic() + ready_timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"the mesh exited with code {proc.returncode} before becoming ready")
+            raise MeshExited(f"the mesh exited with code {proc.returncode} before becoming ready")
         try:
             with urllib.request.urlopen(f"{mesh.http_url}/health", timeout=2) as r:
                 if r.status == 200 and "meshllm services:" in open(mesh.log_path).read():

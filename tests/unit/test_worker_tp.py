@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ from services.worker.models.config import ModelConfigError
 from services.worker.tp import shard_model
 from tests.unit.tiny_llama import make_tiny_llama
 from tests.unit.tp_rank import run
+from services.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp2_over_gloo_gives_the_tp1_greedy_tokens(tmp_path):
