@@ -15,13 +15,12 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from services.common import pb
-from services.common.grpc_server import bind, make_server
 from services.common.procs import install_stop_handlers
 from services.worker.config import WorkerConfig
 from services.worker.models import load_model
 from services.worker.models.config import ModelConfigError
 from services.worker.runner import ModelRunner, PlanError
-from services.worker.zmq_link import bind_router
+from services.worker.zmq_link import open_endpoints
 
 log = logging.getLogger("meshllm.worker")
 
@@ -146,19 +145,10 @@ async def serve(cfg: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     install_stop_handlers(loop, stop)
-    server, health = make_server("worker", [])
-    port = bind(server, f"{cfg.host}:{cfg.grpc_port}")
-    await server.start()
-    ctx = zmq.Context()
-    try:
-        sock, zmq_addr = bind_router(ctx, cfg.zmq_addr)
-    except zmq.ZMQError as exc:
-        log.error("cannot bind %s: %s", cfg.zmq_addr, exc)
-        await server.stop(None)
+    endpoints = await open_endpoints(cfg, log)
+    if endpoints is None:
         return 1
-    # Launchers and tests parse this line to find the ports picked for 0.
-    print(f"worker listening grpc={cfg.host}:{port} zmq={zmq_addr}", flush=True)
-    log.info("serving health on %s:%d, steps on %s", cfg.host, port, zmq_addr)
+    server, health, ctx, sock = endpoints
     engine = Engine(cfg, sock)
     thread = threading.Thread(
         target=engine.run, name="worker-engine", daemon=True,

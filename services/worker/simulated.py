@@ -25,10 +25,9 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from services.common import pb
-from services.common.grpc_server import bind, make_server
 from services.common.procs import install_stop_handlers
 from services.worker.config import WorkerConfig
-from services.worker.zmq_link import bind_router
+from services.worker.zmq_link import open_endpoints
 
 log = logging.getLogger("meshllm.worker.simulated")
 
@@ -232,17 +231,10 @@ async def serve(cfg: WorkerConfig) -> int:
     except (OSError, ValueError, KeyError) as exc:
         log.error("cannot read %s/config.json: %s", cfg.model, exc)
         return 1
-    server, health = make_server("worker", [])
-    port = bind(server, f"{cfg.host}:{cfg.grpc_port}")
-    await server.start()
-    ctx = zmq.Context()
-    try:
-        sock, zmq_addr = bind_router(ctx, cfg.zmq_addr)
-    except zmq.ZMQError as exc:
-        log.error("cannot bind %s: %s", cfg.zmq_addr, exc)
-        await server.stop(None)
+    endpoints = await open_endpoints(cfg, log)
+    if endpoints is None:
         return 1
-    print(f"worker listening grpc={cfg.host}:{port} zmq={zmq_addr}", flush=True)
+    server, health, ctx, sock = endpoints
     engine = SimulatedEngine(cfg, sock)
     log.info("SIMULATED worker (no model): %.2f ms/step + %.3f ms/token, %d KV blocks, vocab %d",
              cfg.simulate_step_ms, cfg.simulate_token_ms, engine.runner.num_blocks,
