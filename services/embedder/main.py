@@ -5,7 +5,10 @@ import argparse
 import asyncio
 import os
 
+from services.common import telemetry
+from services.common import internal_tls
 from services.common.log import setup_logging
+from services.common.metrics import add_metrics_args
 from services.common.procs import install_stop_handlers
 from services.embedder.config import DTYPES, EmbedderConfig
 
@@ -34,15 +37,19 @@ def parse_args(argv: list[str] | None) -> EmbedderConfig:
                    help="how long an idle embedder waits for concurrent requests to batch")
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--log-level", default=None)
+    add_metrics_args(p)
+    internal_tls.add_flags(p)
     a = p.parse_args(argv)
     try:
-        return EmbedderConfig(**vars(a))
+        tls = internal_tls.from_args(a)
+        fields = {k: v for k, v in vars(a).items() if not k.startswith("internal_tls_")}
+        return EmbedderConfig(**fields, internal_tls=tls)
     except ValueError as exc:
         p.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    config = parse_args(telemetry.init_service("embedder", argv))  # tracing flags + OTEL_*
     log = setup_logging("embedder", config.log_level)
     # Spinning OpenMP threads starve the other services sharing these cores (see the worker).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -15,6 +15,7 @@ import grpc
 
 from services.common import pb
 from services.common.grpc_server import bind, make_server
+from services.common.metrics import start_metrics_server
 from services.embedder.batcher import MicroBatcher, QueueFull
 from services.embedder.config import EmbedderConfig
 from services.embedder.engine import EmbeddingEngine, InvalidInput, Item
@@ -114,10 +115,13 @@ async def serve(config: EmbedderConfig, stop: asyncio.Event) -> int:
     server, health = make_server("embedder", [SERVICE_NAME])
     servicer = EmbedderServicer(config, prep_threads)
     pb.embed_grpc.add_EmbedderServicer_to_server(servicer, server)
-    port = bind(server, config.address)
+    port = bind(server, config.address, config.internal_tls.server_credentials())
     await server.start()   # health answers NOT_SERVING while the model loads
     host = f"[{config.host}]" if ":" in config.host else config.host
     print(f"embedder listening on {host}:{port}", flush=True)
+    metrics_port = start_metrics_server(config.host, config.metrics_port)
+    if metrics_port:
+        print(f"embedder metrics on http://{host}:{metrics_port}/metrics", flush=True)
     batcher = None
     try:
         engine = await loop.run_in_executor(model_thread, build_engine, config)

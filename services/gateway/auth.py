@@ -26,10 +26,14 @@ from services.gateway.errors import ApiError, send_asgi_error
 
 log = logging.getLogger("meshllm.gateway.auth")
 
-OPEN_HTTP_PATHS = frozenset({"/health", "/ping"})
+# /metrics: Prometheus scrapes it without a key (it holds counts, never request data).
+OPEN_HTTP_PATHS = frozenset({"/health", "/ping", "/metrics"})
 ADMIN_HTTP_PREFIXES = ("/admin/", "/profile/", "/drain", "/reset_prefix_cache")
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/meshllm.v1.Status/")
-ADMIN_GRPC_METHODS: frozenset[str] = frozenset()   # none yet; the check is ready for them
+# Changing trace sampling is an admin action on the public port (internal ports are reached
+# only by the mesh itself, the profiler among them).
+ADMIN_GRPC_METHODS: frozenset[str] = frozenset({"/meshllm.v1.TelemetryControl/SetTraceSampling",
+                                                "/meshllm.v1.TelemetryControl/GetTraceSampling"})
 
 MIN_KEY_CHARS = 8
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.internal_tls import InternalTls
 from services.common.tls import TlsConfig
 
 
@@ -11,9 +12,16 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000                  # HTTP (OpenAI API); 0 = a free port
     grpc_port: int = 50051            # public gRPC API + health; 0 = a free port
-    tokenizer_addr: str = "127.0.0.1:50052"
-    engine_addr: str = "127.0.0.1:50053"
+    # Replicas: several tokenizers (failover) and several engines (routed); with a
+    # supervisor_addr, both sets follow the supervisor's WatchReplicas (these are the start).
+    tokenizer_addrs: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
+    engine_addrs: list[str] = field(default_factory=lambda: ["127.0.0.1:50053"])
+    supervisor_addr: str = ""
+    route_busy_ratio: float = 1.5         # router: the affine replica is "much busier" past
+    route_busy_slack_tokens: int = 2048   # ratio * least-loaded + slack outstanding tokens
+    max_route_attempts: int = 3           # replicas one request may be tried on before a token
     embedder_addr: str = ""           # the embedder's gRPC address; "": no /v1/embeddings
+    profiler_addr: str = ""           # the profiler service (/profile/*); "": those routes 404
     served_model_name: str = "smollm2-135m-instruct"
     max_body_bytes: int = 4 * 1024 * 1024
     max_inflight_requests: int = 4096  # bounds every per-request map in the gateway
@@ -29,6 +37,7 @@ class GatewayConfig:
     api_keys: list[str] = field(default_factory=list)        # none: the API is open
     admin_api_keys: list[str] = field(default_factory=list)  # none: admin routes refused
     tls: TlsConfig = field(default_factory=TlsConfig)        # HTTP and public gRPC
+    internal_tls: InternalTls = field(default_factory=InternalTls)  # mTLS to our own services
 
     def __post_init__(self) -> None:
         from services.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -42,12 +51,23 @@ class GatewayConfig:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {value}")
-        for name in ("tokenizer_addr", "engine_addr"):
-            value = getattr(self, name)
-            if not value or ":" not in value:
-                raise ValueError(f"--{name.replace('_', '-')} must be HOST:PORT, got {value!r}")
+        for flag, values in (("--tokenizer-addr", self.tokenizer_addrs),
+                             ("--engine-addr", self.engine_addrs)):
+            if not values and not self.supervisor_addr:
+                raise ValueError(f"{flag} is required (or --supervisor-addr)")
+            for value in values:
+                if not value or ":" not in value:
+                    raise ValueError(f"{flag} must be HOST:PORT, got {value!r}")
+        if self.supervisor_addr and ":" not in self.supervisor_addr:
+            raise ValueError(f"--supervisor-addr must be HOST:PORT, got {self.supervisor_addr!r}")
+        if not self.route_busy_ratio >= 1 or self.route_busy_slack_tokens < 0:
+            raise ValueError("--route-busy-ratio must be >= 1 and --route-busy-slack-tokens >= 0")
+        if self.max_route_attempts < 1:
+            raise ValueError("--max-route-attempts must be at least 1")
         if self.embedder_addr and ":" not in self.embedder_addr:
             raise ValueError(f"--embedder-addr must be HOST:PORT, got {self.embedder_addr!r}")
+        if self.profiler_addr and ":" not in self.profiler_addr:
+            raise ValueError(f"--profiler-addr must be HOST:PORT, got {self.profiler_addr!r}")
         if not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
         if self.max_body_bytes < 1024:

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.common.grpc_server import channel
 from services.gateway.errors import ApiError
 
@@ -15,9 +15,10 @@ log = logging.getLogger("meshllm.gateway.embedder")
 
 
 class EmbedderClient:
-    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = channel(address)
+        self._channel = channel(address, credentials=credentials)  # credentials: internal mTLS
         self._stub = pb.embed_grpc.EmbedderStub(self._channel)
         self.info: pb.embed.EmbedderInfo | None = None   # None until the embedder answered
         self._watcher: asyncio.Task | None = None
@@ -57,7 +58,8 @@ class EmbedderClient:
     async def embed(self, request: pb.embed.EmbedBatchRequest) -> pb.embed.EmbedBatchResponse:
         # A cancelled caller cancels this call, and the embedder drops the queued items.
         try:
-            return await self._stub.Embed(request, timeout=self.timeout_s)
+            return await self._stub.Embed(request, timeout=self.timeout_s,
+                                          metadata=telemetry.grpc_metadata())  # parent of embedder.embed
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.info = None   # it may come back as another model: ask again

@@ -225,4 +225,4 @@ async def grpc_embed(embeddings: Embeddings, request: "pb.generation.EmbedReques
         return await embeddings.create_grpc(request, rid)
     except ApiError as err:
         log.info("embed id=%s route=grpc outcome=error:%s", rid, err.kind)
-        await context.abort(err.grpc_status, err.message)
+        await err.abort_grpc(context)

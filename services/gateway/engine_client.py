@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.common.grpc_server import channel
 from services.gateway.errors import ApiError
 from services.gateway.stop_strings import StopStringMatcher
@@ -68,14 +69,17 @@ class MergedOutput:
     pb.engine.RequestOutput): their tokens and logprobs in order, the last one's finish."""
 
     __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "error",
-                 "num_cached_tokens", "stop_token_id")
+                 "num_cached_tokens", "stop_token_id", "timing")
 
     def __init__(self, outs: list) -> None:
         last = outs[-1]
         self.request_id, self.finish_reason = last.request_id, last.finish_reason
         self.error, self.stop_token_id = last.error, last.stop_token_id
         self.new_token_ids, self.logprobs, self.num_cached_tokens = [], [], 0
+        self.timing = None  # the latest scheduler timing stamps among them
         for o in outs:  # extend() copies a repeated field in C: a comprehension is 3x slower
+            if o.HasField("timing"):
+                self.timing = o.timing
             self.new_token_ids.extend(o.new_token_ids)
             if o.logprobs:
                 self.logprobs.extend(o.logprobs)
@@ -87,7 +91,8 @@ class RequestHandle:
     """One request in flight: iterate it for Deltas; abort() if you stop listening."""
 
     def __init__(self, client: "EngineClient", request_id: str, prompt_ids: Sequence[int],
-                 sampling: "pb.common.SamplingParams") -> None:
+                 sampling: "pb.common.SamplingParams",
+                 submit: "pb.engine.EngineSubmit | None" = None) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.num_completion_tokens = 0
@@ -105,6 +110,17 @@ class RequestHandle:
         self._engine_done = False             # the engine will send nothing more
         self._detok_started = False
         self._detok_done = False
+        self.timing = None                    # a timing.HandleTiming when the client asked
+        # Kept so the pool can resubmit it elsewhere if its engine dies before any token.
+        self._submit = submit
+        self.cost_tokens = len(prompt_ids) + sampling.max_tokens  # the router's load unit
+        self._cost_left = self.cost_tokens
+        self._streamed = False                # the engine sent at least one token
+        self.tried: list[str] = []            # replica ids this request was sent to, in order
+
+    @property
+    def replica_id(self) -> str:
+        return self._client.replica_id
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._deltas()
@@ -140,6 +156,8 @@ class RequestHandle:
             item.token_string_ids.extend(sorted(ids))
         if not self._detok_started:
             item.prefix_token_ids.extend(self._prefix)
+            if self._submit is not None and self._submit.trace.traceparent:
+                item.trace.CopyFrom(self._submit.trace)  # parent of the tokenizer's detokenize span
             self._detok_started = True
         if done:
             self._detok_done = True
@@ -178,13 +196,21 @@ class RequestHandle:
 
 class EngineClient:
     def __init__(self, address: str, tokenizer: TokenizerClient,
-                 max_inflight_requests: int = 4096) -> None:
+                 max_inflight_requests: int = 4096, replica_id: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
+        self.replica_id = replica_id or address
+        # prompt + max_tokens - generated over the requests in flight here (the router's load)
+        self.outstanding_tokens = 0
+        # Called for each request whose engine failed it before any token (stream lost, or
+        # the scheduler's UNAVAILABLE): returns True when it resubmitted it elsewhere.
+        self.on_lost_before_first_token: Callable[[RequestHandle], bool] | None = None
+        self._close_reason = ""
         self.tokenizer = tokenizer
         self.max_inflight_requests = max_inflight_requests
         self.info: "pb.engine.EngineInfo | None" = None
         self.connected = False
-        self._channel = channel(address, ENGINE_CHANNEL_OPTIONS)
+        self._channel = channel(address, ENGINE_CHANNEL_OPTIONS, credentials)  # credentials: internal mTLS
         self._stub = pb.engine_grpc.EngineStub(self._channel)
         self._requests: dict[str, RequestHandle] = {}
         self._pending_submits: dict[str, "pb.engine.EngineSubmit"] = {}
@@ -198,7 +224,7 @@ class EngineClient:
         self._flush_wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
-        tokenizer.on_stream_lost = self._on_tokenizer_lost
+        tokenizer.add_stream_lost_listener(self._on_tokenizer_lost)
 
     @property
     def num_inflight(self) -> int:
@@ -209,11 +235,12 @@ class EngineClient:
                        asyncio.create_task(self._flush_loop(), name="engine-detokenize"),
                        asyncio.create_task(self._dispatch_loop(), name="engine-dispatch")]
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "the gateway is shutting down") -> None:
+        self._close_reason = reason
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all(ApiError("unavailable", "the gateway is shutting down"))
+        self._fail_all(ApiError("unavailable", reason))
         await self._channel.close()
 
     # --- public API ------------------------------------------------------------------------
@@ -229,19 +256,47 @@ class EngineClient:
         if len(self._requests) >= self.max_inflight_requests:
             raise ApiError("resource_exhausted",
                            f"too many requests in flight ({self.max_inflight_requests})")
-        handle = RequestHandle(self, request_id, prompt_ids, sampling)
-        self._requests[request_id] = handle
-        self._pending_submits[request_id] = pb.engine.EngineSubmit(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-            cache_salt=cache_salt, priority=priority)
-        self._wake.set()
+        submit = pb.engine.EngineSubmit(request_id=request_id, prompt_token_ids=prompt_ids,
+                                        sampling=sampling, cache_salt=cache_salt,
+                                        priority=priority)
+        if telemetry.ENABLED:  # the current request span becomes the scheduler's parent
+            tp, ts = telemetry.traceparent_of(telemetry.current_span())
+            if tp:
+                submit.trace.traceparent, submit.trace.tracestate = tp, ts
+        handle = RequestHandle(self, request_id, prompt_ids, sampling, submit)
+        self._enqueue(handle)
         return handle
+
+    def adopt(self, handle: RequestHandle) -> bool:
+        """Take over a request another replica failed before its first token: same handle
+        (its reader sees nothing), submitted again here. False if this replica can't."""
+        if (not self.connected or handle.request_id in self._requests
+                or len(self._requests) >= self.max_inflight_requests or handle._submit is None):
+            return False
+        handle._client = self
+        handle._engine_done = handle._detok_started = handle._detok_done = False
+        self._enqueue(handle)
+        return True
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        self._requests[handle.request_id] = handle
+        self._pending_submits[handle.request_id] = handle._submit
+        handle.tried.append(self.replica_id)
+        handle._cost_left = handle.cost_tokens
+        self.outstanding_tokens += handle.cost_tokens
+        self._wake.set()
+
+    def _release(self, handle: RequestHandle) -> None:
+        """The request left this client (finished, aborted, moved): drop its load."""
+        self.outstanding_tokens -= handle._cost_left
+        handle._cost_left = 0
 
     def abort(self, request_id: str, error: ApiError | None = None) -> bool:
         """Stop a request: drop it here, tell the engine and the detokenizer. Idempotent."""
         handle = self._requests.pop(request_id, None)
         if handle is None:
             return False
+        self._release(handle)
         handle._push(Delta("", [], error=error or ApiError("cancelled", "request aborted")))
         self._forget(handle)
         return True
@@ -271,6 +326,50 @@ class EngineClient:
     def _fail_all(self, error: ApiError) -> None:
         for rid in list(self._requests):
             self.abort(rid, error)
+
+    def _hand_off(self, handle: RequestHandle) -> bool:
+        """Move a request that got no token yet to another replica (the pool decides)."""
+        if handle._streamed or self.on_lost_before_first_token is None:
+            return False
+        rid = handle.request_id
+        if self._requests.get(rid) is not handle:
+            return False
+        del self._requests[rid]
+        pending = self._pending_submits.pop(rid, None)
+        self._unsent.pop(rid, None)
+        self._release(handle)
+        if self.on_lost_before_first_token(handle):
+            return True
+        handle._client = self  # nobody took it: it stays here, as it was
+        self._requests[rid] = handle
+        if pending is not None:
+            self._pending_submits[rid] = pending
+        handle._cost_left = handle.cost_tokens
+        self.outstanding_tokens += handle.cost_tokens
+        return False
+
+    def move_unstarted(self) -> int:
+        """This replica stopped taking work (drained, worker lost, hung): requests it has
+        not produced a token for go to another replica (aborted here), so they neither
+        wait for its recovery nor for a drain. Returns how many moved."""
+        moved = 0
+        for rid, handle in list(self._requests.items()):
+            if handle._streamed or handle._engine_done:
+                continue
+            sent = rid not in self._pending_submits
+            if self._hand_off(handle):
+                moved += 1
+                if sent:
+                    self._pending_aborts.append(rid)
+                    self._wake.set()
+        return moved
+
+    def _hand_off_or_fail(self, error: ApiError) -> None:
+        """The stream is gone: requests with no token yet may go elsewhere, the rest fail
+        now (an error event, never a hang)."""
+        for rid, handle in list(self._requests.items()):
+            if not self._hand_off(handle):
+                self.abort(rid, error)
 
     def _on_tokenizer_lost(self) -> None:
         # The tokenizer dropped its incremental-decoding state: those requests can't go on.
@@ -309,11 +408,12 @@ class EngineClient:
                 self._pending_submits.clear()
                 self._pending_aborts.clear()
                 self._unsent.clear()
-                self._fail_all(ApiError("unavailable", f"lost the engine stream: {reason}"))
+                self._hand_off_or_fail(ApiError("unavailable", self._close_reason
+                                                or f"lost the engine stream: {reason}"))
             if was_connected:
                 log.warning("EngineStream to %s lost: %s", self.address, reason)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, 2.0)  # a restarted scheduler is found within 2 s
 
     async def _write_loop(self, call) -> None:
         try:
@@ -335,6 +435,8 @@ class EngineClient:
 
     async def _read_loop(self, call) -> None:
         unspecified = pb.common.FINISH_REASON_UNSPECIFIED
+        error_reason = pb.common.FINISH_REASON_ERROR
+        unavailable = pb.common.ERROR_CODE_UNAVAILABLE
         while True:
             batch = await call.read()
             if batch is grpc.aio.EOF:
@@ -345,6 +447,14 @@ class EngineClient:
                 handle = requests.get(rid)
                 if handle is None or handle._engine_done:
                     continue  # stopped here already (stop string, disconnect): drop
+                if out.new_token_ids:
+                    handle._streamed = True
+                elif (out.finish_reason == error_reason and out.error.code == unavailable
+                      and not handle._streamed and rid not in unsent):
+                    # The engine lost its worker before this request's first token.
+                    handle._engine_done = True
+                    if self._hand_off(handle):
+                        continue
                 if out.finish_reason != unspecified:
                     handle._engine_done = True  # nothing more comes; don't abort it
                 outs = unsent.get(rid)
@@ -373,19 +483,21 @@ class EngineClient:
                 if not items:
                     continue
                 self._detok_inflight += 1
+                sent_ns = time.monotonic_ns()
                 try:
                     fut = await self.tokenizer.detokenize(items)
                 except Exception as err:  # a bug must not stall every stream
                     log.exception("sending a Detokenize message failed")
                     fut = asyncio.get_running_loop().create_future()
                     fut.set_exception(ApiError("internal", f"gateway error: {err!r}"))
-                self._steps.put_nowait((outputs, fut))
+                self._steps.put_nowait((outputs, fut, sent_ns))
 
     async def _dispatch_loop(self) -> None:
         while True:
-            outputs, fut = await self._steps.get()
+            outputs, fut, sent_ns = await self._steps.get()
             try:
                 detok = {o.request_id: o for o in await fut}
+                detok_ns = time.monotonic_ns() - sent_ns  # this round trip, for timing breakdowns
             except ApiError as err:
                 for out in outputs:
                     self.abort(out.request_id, err)
@@ -400,12 +512,18 @@ class EngineClient:
                     continue
                 try:
                     d = detok.get(out.request_id)
+                    if handle.timing is not None:
+                        handle.timing.on_output(out, detok_ns)
                     handle._deliver(out, d.text_delta if d else "",
                                     dict(d.token_strings) if d else None)
                 except Exception as err:  # one bad output fails one request, not the gateway
                     log.exception("failed to deliver an output of %s", out.request_id)
                     self.abort(out.request_id, ApiError("internal", f"gateway error: {err!r}"))
                     continue
+                used = min(len(out.new_token_ids), handle._cost_left)
+                handle._cost_left -= used
+                self.outstanding_tokens -= used
                 if handle.finished:
                     del self._requests[out.request_id]
+                    self._release(handle)
                     self._forget(handle)  # a stop string: abort it in the engine

@@ -11,6 +11,7 @@ _KINDS: dict[str, tuple[int, str, grpc.StatusCode]] = {
     "unauthenticated": (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
     "permission_denied": (403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
     "not_found": (404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
+    "conflict": (409, "invalid_request_error", grpc.StatusCode.ALREADY_EXISTS),
     "too_large": (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
     "unsupported_media": (415, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
     "resource_exhausted": (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -40,6 +41,9 @@ _FROM_GRPC = {
 }
 
 
+RETRY_AFTER_S = 1
+
+
 class ApiError(Exception):
     """A failure of one request, rendered as an OpenAI error body or a gRPC status."""
 
@@ -57,6 +61,17 @@ class ApiError(Exception):
     @property
     def grpc_status(self) -> grpc.StatusCode:
         return _KINDS[self.kind][2]
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """Seconds a client should wait before retrying (overload, engine briefly away)."""
+        return RETRY_AFTER_S if self.kind in ("resource_exhausted", "unavailable") else None
+
+    async def abort_grpc(self, context) -> None:
+        """End a grpc.aio call with this error; overload answers carry `retry-after`
+        trailing metadata, as HTTP 429/503 carry the Retry-After header."""
+        trailing = (("retry-after", str(self.retry_after_s)),) if self.retry_after_s else ()
+        await context.abort(self.grpc_status, self.message, trailing)
 
     def to_openai(self) -> dict:
         return {"error": {"message": self.message, "type": _KINDS[self.kind][1],

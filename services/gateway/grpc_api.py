@@ -6,12 +6,15 @@ import time
 
 import grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.gateway.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
 from services.gateway.sampling import MAX_N
 from services.gateway.service import Gateway, new_request_id, sane_client_id
+from services.gateway.timing import RequestTimer
+from services.gateway.timing import track as track_timing
+from services.gateway.tracing_mw import end_grpc_request_span, start_grpc_request_span
 
 log = logging.getLogger("meshllm.gateway.grpc")
 
@@ -54,7 +57,11 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         start, handle, outcome = time.monotonic(), None, "ok"
+        timer = RequestTimer() if request.return_timing else None
         rid = request.request_id or new_request_id("gen")
+        # The request's root span, current while it runs (tokenizer and engine calls carry it).
+        span = start_grpc_request_span("Generate", context, sane_client_id(rid) or "")
+        token = telemetry.attach(span)
         try:
             if sane_client_id(rid) is None:
                 raise ApiError("invalid_argument", "request_id must be 1-128 characters of "
@@ -66,10 +73,15 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             if not 1 <= n <= MAX_N:
                 raise ApiError("invalid_argument", f"n must be in [1, {MAX_N}], got {n}",
                                param="n")
+            t0 = timer.tokenize_started() if timer is not None else 0
             prompt_ids = await self._prompt_ids(request)
+            if timer is not None and request.WhichOneof("input") != "token_ids":
+                timer.tokenize_done(t0)
             handle = ChoiceGroup(rid, self.gw.start_n(rid, prompt_ids, sampling, n,
                                                       cache_salt=request.cache_salt,
                                                       priority=request.priority))
+            if timer is not None:
+                track_timing(handle.handles)
             self._active[rid] = handle
             remaining = n
             async for index, delta in handle:
@@ -87,17 +99,21 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                         completion_tokens=one.num_completion_tokens,
                         total_tokens=one.num_prompt_tokens + one.num_completion_tokens,
                         cached_prompt_tokens=one.num_cached_tokens))
+                    if timer is not None:
+                        resp.timing.CopyFrom(timer.to_proto(one.timing))
                     remaining -= 1
                 yield resp
                 if not remaining:
                     break
         except ApiError as err:
             outcome = f"error:{err.kind}"
-            await context.abort(err.grpc_status, err.message)
+            await err.abort_grpc(context)
         except BaseException:
             outcome = "cancelled"
             raise
         finally:
+            telemetry.detach(token)
+            end_grpc_request_span(span, outcome, handle)
             if handle is not None:
                 if self._active.get(rid) is handle:
                     del self._active[rid]
@@ -119,7 +135,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             else:
                 raise ApiError("invalid_argument", "input must be one of text or chat")
         except ApiError as err:
-            await context.abort(err.grpc_status, err.message)
+            await err.abort_grpc(context)
         return pb.generation.TokenizeResponse(token_ids=ids, count=len(ids),
                                               max_model_len=self.gw.max_model_len)
 

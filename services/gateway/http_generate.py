@@ -15,17 +15,21 @@ from services.gateway.engine_client import Delta
 from services.gateway.openai_format import sse, usage
 from services.gateway.service import Gateway
 from services.gateway.sse import SSEResponse, coalesce
+from services.gateway.timing import RequestTimer
+from services.gateway.timing import track as track_timing
 
 # (request, group, awaitable) -> its result; aborts the group and raises when the client leaves
 Watch = Callable[[Request, ChoiceGroup, Awaitable], Awaitable]
 
 
 class _Body:
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool,
+                 timer: RequestTimer | None = None) -> None:
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.whole_object = "chat.completion" if chat else "text_completion"
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
+        self.timer = timer   # set when the client asked for a timing breakdown
 
     def envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -55,9 +59,13 @@ async def _stream(body: _Body, group: ChoiceGroup, builders: list[ChoiceBuilder]
                     break
                 parts.extend(body.chunk([choice]) for choice in builders[index].stream(delta))
                 if all(b.done for b in builders):
-                    if body.include_usage:
-                        parts.append(sse({**body.envelope(body.object, []),
-                                          "usage": usage(group)}))
+                    if body.include_usage or body.timer is not None:
+                        final = body.envelope(body.object, [])
+                        if body.include_usage:
+                            final["usage"] = usage(group)
+                        if body.timer is not None:  # the last chunk before [DONE]
+                            final["timing"] = body.timer.breakdown_of_last(group.handles)
+                        parts.append(sse(final))
                     ended = True
                     break
             if not ended:
@@ -89,14 +97,17 @@ async def _collect(group: ChoiceGroup, builders: list[ChoiceBuilder],
 async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: type[Exception], *,
                    request_id: str, model: str, prompt_ids: list[int],
                    sampling: "pb.common.SamplingParams", n: int, stream: bool,
-                   include_usage: bool, spec: ChoiceSpec, priority: int = 0, cache_salt: str = "") -> Response:
+                   include_usage: bool, spec: ChoiceSpec, priority: int = 0, cache_salt: str = "",
+                   timer: RequestTimer | None = None) -> Response:
     handles = gw.start_n(request_id, prompt_ids, sampling, n,
                          prompt_param="messages" if spec.chat else "prompt", priority=priority,
                          cache_salt=cache_salt)
+    if timer is not None:
+        track_timing(handles)
     group = ChoiceGroup(request_id, handles)
     request.state.handle = group
     builders = [ChoiceBuilder(i, spec) for i in range(n)]
-    body = _Body(spec.chat, request_id, model, include_usage)
+    body = _Body(spec.chat, request_id, model, include_usage, timer)
     aiter(group)
     try:
         # Wait for the first step before committing to 200, so early failures get a status.
@@ -121,4 +132,6 @@ async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: typ
     group.abort()
     out = body.envelope(body.whole_object, [b.whole() for b in builders])
     out["usage"] = usage(group)
+    if timer is not None:
+        out["timing"] = timer.breakdown_of_last(handles)
     return JSONResponse(out)

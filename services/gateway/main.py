@@ -11,19 +11,23 @@ import socket
 
 import uvicorn
 
-from services.common import loops
+from services.common import telemetry
+from services.common import internal_tls, loops
 from services.common.grpc_server import bind, make_server
 from services.common.log import setup_logging
 from services.common.procs import install_stop_handlers
 from services.gateway.config import GatewayConfig
 from services.gateway.embedder_client import EmbedderClient
 from services.gateway.embeddings import Embeddings
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine_pool import EnginePool, ReplicaSpec
 from services.gateway.grpc_api import SERVICE_NAME, add_to_server
 from services.gateway.http_app import create_app, with_request_context
 from services.gateway import security
 from services.gateway.service import Gateway
-from services.gateway.tokenizer_client import TokenizerClient
+from services.gateway import pool_metrics
+from services.gateway.router import Router, RouterConfig
+from services.gateway.supervisor_watch import follow_supervisor
+from services.gateway.tokenizer_pool import TokenizerPool
 
 
 def parse_args(argv: list[str] | None) -> GatewayConfig:
@@ -32,10 +36,22 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (0 = any free port)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0 = any)")
-    p.add_argument("--tokenizer-addr", default=d.tokenizer_addr)
-    p.add_argument("--engine-addr", default=d.engine_addr, help="the scheduler's gRPC address")
+    p.add_argument("--tokenizer-addr", dest="tokenizer_addrs", action="append", default=None,
+                   help="a tokenizer's gRPC address (repeatable: failover between them)")
+    p.add_argument("--engine-addr", dest="engine_addrs", action="append", default=None,
+                   help="a scheduler's gRPC address (repeatable: one per engine replica, routed)")
+    p.add_argument("--supervisor-addr", default=d.supervisor_addr,
+                   help="follow this supervisor's replica set (engines and tokenizers)")
+    p.add_argument("--route-busy-ratio", type=float, default=d.route_busy_ratio,
+                   help="prefix affinity yields when the affine replica has more than RATIO x "
+                        "the least-loaded replica's outstanding tokens + SLACK")
+    p.add_argument("--route-busy-slack-tokens", type=int, default=d.route_busy_slack_tokens)
+    p.add_argument("--max-route-attempts", type=int, default=d.max_route_attempts,
+                   help="replicas a request may be tried on when one fails before its first token")
     p.add_argument("--embedder-addr", default=d.embedder_addr,
                    help="the embedder's gRPC address (default: none, /v1/embeddings answers 404)")
+    p.add_argument("--profiler-addr", default=d.profiler_addr,
+                   help="the profiler service's gRPC address (default: none, /profile/* answers 404)")
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-inflight-requests", type=int, default=d.max_inflight_requests)
@@ -46,9 +62,14 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3")
     p.add_argument("--tool-call-parser", default=None, help="hermes | llama3_json")
     security.add_flags(p, d)
+    internal_tls.add_flags(p)  # our clients of the tokenizer, scheduler and embedder
     args = p.parse_args(argv)
+    for name in ("tokenizer_addrs", "engine_addrs"):  # unset: the default, or the supervisor's
+        if getattr(args, name) is None:
+            setattr(args, name, [] if args.supervisor_addr else getattr(d(), name))
     try:
-        return GatewayConfig(**security.config_kwargs(args))
+        kw = {k: v for k, v in security.config_kwargs(args).items() if not k.startswith("internal_tls_")}
+        return GatewayConfig(**kw, internal_tls=internal_tls.from_args(args))
     except ValueError as err:
         p.error(str(err))
 
@@ -82,14 +103,14 @@ async def _readiness(gw: Gateway, health, log) -> None:
         state = (gw.ready, gw.tokenizer_ready, gw.engine.connected)
         if state != last:
             reason = ("ready" if gw.ready else "waiting for the tokenizer" if not gw.tokenizer_ready
-                      else "waiting for the engine")
+                      else f"waiting for an engine replica ({gw.engine.describe()})")
             health.set_ready(gw.ready, reason)
             log.info("readiness: %s", reason)
             last = state
         await asyncio.sleep(0.5)
 
 
-async def _drain(engine: EngineClient, grace_s: float) -> None:
+async def _drain(engine: EnginePool, grace_s: float) -> None:
     deadline = asyncio.get_running_loop().time() + grace_s
     while engine.num_inflight and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
@@ -97,9 +118,15 @@ async def _drain(engine: EngineClient, grace_s: float) -> None:
 
 async def serve(config: GatewayConfig) -> int:
     log = setup_logging("gateway", config.log_level)
-    tokenizer = TokenizerClient(config.tokenizer_addr, config.tokenizer_timeout_s)
-    engine = EngineClient(config.engine_addr, tokenizer, config.max_inflight_requests)
-    embedder = EmbedderClient(config.embedder_addr) if config.embedder_addr else None
+    creds = config.internal_tls.channel_credentials()  # None: plain internal channels
+    tokenizer = TokenizerPool(config.tokenizer_addrs, config.tokenizer_timeout_s, credentials=creds)
+    router = Router(RouterConfig(busy_ratio=config.route_busy_ratio,
+                                 busy_slack_tokens=config.route_busy_slack_tokens))
+    engine = EnginePool(tokenizer, router, max_inflight_requests=config.max_inflight_requests,
+                        max_attempts=config.max_route_attempts, credentials=creds)
+    engine.set_replicas([ReplicaSpec(addr, addr) for addr in config.engine_addrs])
+    pool_metrics.register(engine)
+    embedder = EmbedderClient(config.embedder_addr, credentials=creds) if config.embedder_addr else None
     gw = Gateway(config, tokenizer, engine,
                  embeddings=Embeddings(embedder, config.served_model_name))
 
@@ -119,12 +146,17 @@ async def serve(config: GatewayConfig) -> int:
         embedder.start()
     tasks = [asyncio.create_task(uv.serve(sockets=[sock]), name="uvicorn"),
              asyncio.create_task(_readiness(gw, health, log), name="readiness")]
+    if config.supervisor_addr:
+        tasks.append(asyncio.create_task(
+            follow_supervisor(config.supervisor_addr, engine, tokenizer, creds),
+            name="supervisor-watch"))
     scheme = "https" if config.tls.enabled else "http"
     print(f"gateway http listening on {scheme}://{config.host}:{http_port}", flush=True)
     print(f"gateway grpc listening on {config.host}:{grpc_port}", flush=True)
 
     stop = asyncio.Event()
-    install_stop_handlers(asyncio.get_running_loop(), stop)
+    # The hard exit comes only after the grace period promised to in-flight requests.
+    install_stop_handlers(asyncio.get_running_loop(), stop, hard_exit_after_s=config.shutdown_grace_s + 10)
     sec.install_reload(asyncio.get_running_loop())
     log.info("security: %s", sec.describe())
     stopper = asyncio.create_task(stop.wait())
@@ -148,5 +180,5 @@ async def serve(config: GatewayConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    config = parse_args(telemetry.init_service("gateway", argv))  # tracing flags + OTEL_*
     return loops.run(serve(config))

@@ -67,6 +67,7 @@ class _SamplingFields(_IgnoredOpenAIFields):
     user: str | None = None
     priority: int = 0                 # extra body (vLLM): lower runs first under --scheduling-policy priority
     cache_salt: str | None = None     # extra body (vLLM): prefix-cache isolation between tenants
+    return_timing: bool = False       # extra body: a `timing` breakdown in the response (timing.py)
 
     @field_validator("stop")
     @classmethod

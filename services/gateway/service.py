@@ -10,11 +10,12 @@ from services.common import pb
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.embeddings import Embeddings
-from services.gateway.engine_client import EngineClient, RequestHandle
+from services.gateway.engine_client import RequestHandle
+from services.gateway.engine_pool import EnginePool
 from services.gateway.errors import ApiError
 from services.gateway.sampling import (Limits, resolve_max_tokens, validate_cache_salt,
                                        validate_priority, validate_prompt, validate_sampling)
-from services.gateway.tokenizer_client import TokenizerClient
+from services.gateway.tokenizer_pool import TokenizerPool
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
@@ -29,8 +30,8 @@ def sane_client_id(value: str | None) -> str | None:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, tokenizer: TokenizerClient,
-                 engine: EngineClient, embeddings: Embeddings | None = None) -> None:
+    def __init__(self, config: GatewayConfig, tokenizer: TokenizerPool,
+                 engine: EnginePool, embeddings: Embeddings | None = None) -> None:
         self.config, self.tokenizer, self.engine = config, tokenizer, engine
         # /v1/embeddings and gRPC Embed; without an embedder they answer 404.
         self.embeddings = embeddings or Embeddings(None, config.served_model_name)

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2 as hpb
 from grpc_health.v1 import health_pb2_grpc as hpb_grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.common.grpc_server import channel
 from services.gateway.errors import ApiError
 
@@ -19,9 +19,10 @@ log = logging.getLogger("meshllm.gateway.tokenizer")
 
 
 class TokenizerClient:
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = channel(address)
+        self._channel = channel(address, credentials=credentials)  # credentials: internal mTLS
         self._stub = pb.tokenizer_grpc.TokenizerStub(self._channel)
         self._health = hpb_grpc.HealthStub(self._channel)
         self._call = None                       # the Detokenize stream, opened lazily
@@ -29,11 +30,23 @@ class TokenizerClient:
         self._write_lock = asyncio.Lock()
         # Futures of sent Detokenize messages, oldest first: responses come back in order.
         self._waiting: deque[asyncio.Future] = deque()
-        self.on_stream_lost: Callable[[], None] | None = None
+        self._lost_listeners: list[Callable[[], None]] = []
+
+    def add_stream_lost_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs whenever the Detokenize stream breaks (its state is gone)."""
+        self._lost_listeners.append(callback)
+
+    @property
+    def has_stream(self) -> bool:
+        return self._call is not None
 
     async def close(self) -> None:
         self._drop_stream(ApiError("unavailable", "the gateway is shutting down"))
         await self._channel.close()
+
+    def drop_stream(self, reason: str) -> None:
+        """Give up the Detokenize stream (a hung tokenizer): its requests fail now."""
+        self._drop_stream(ApiError("unavailable", reason))
 
     async def is_ready(self) -> bool:
         """The tokenizer's grpc.health.v1 readiness."""
@@ -75,7 +88,8 @@ class TokenizerClient:
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=self.timeout_s)
+            # traceparent of the current request span: the tokenizer's spans hang under it
+            return await method(request, timeout=self.timeout_s, metadata=telemetry.grpc_metadata())
         except grpc.aio.AioRpcError as err:
             raise ApiError.from_grpc(err, "tokenizer") from None
 
@@ -134,5 +148,6 @@ class TokenizerClient:
             fut = self._waiting.popleft()
             if not fut.done():
                 fut.set_exception(error)
-        if call is not None and self.on_stream_lost is not None:
-            self.on_stream_lost()
+        if call is not None:
+            for callback in self._lost_listeners:
+                callback()

@@ -1,7 +1,10 @@
 """The scheduler service's validated configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.internal_tls import InternalTls
+from services.common.zmq_curve import CurveClientKeys
 
 
 @dataclass
@@ -19,6 +22,13 @@ class SchedulerServiceConfig:
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    internal_tls: InternalTls = field(default_factory=InternalTls)    # mTLS on our gRPC port
+    zmq_curve: CurveClientKeys = field(default_factory=CurveClientKeys)  # CURVE to the worker
+    engine_id: str = "0"              # the `engine` label of this engine's metrics
+    metrics_port: int = 0             # Prometheus /metrics on host:metrics_port; 0 = off
+    health_port: int = 0              # grpc.health.v1 on its own thread (health_thread.py); 0 = off
+    progress_timeout_s: float = 30.0  # work pending and no step completed this long: NOT_SERVING
+    shutdown_grace_s: float = 20.0    # SIGTERM: in-flight requests get this long, then fail
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -32,3 +42,9 @@ class SchedulerServiceConfig:
             raise ValueError("--max-model-len must be >= 0")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
+        if not 0 <= self.health_port < 65536:
+            raise ValueError("--health-port must be in [0, 65535]")
+        if self.progress_timeout_s <= 0 or self.shutdown_grace_s < 0:
+            raise ValueError("--progress-timeout-s must be positive and --shutdown-grace-s >= 0")
+        from services.common.metrics import check_metrics_config
+        check_metrics_config(self.metrics_port, self.engine_id)

@@ -12,10 +12,14 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.scheduler import wire
+from services.scheduler.abort_tracker import AbortTracker
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.core import RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.health import EngineVitals
+from services.scheduler.core import FinishReason, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.metrics import ENGINE_STATE, EngineMetrics, RequestRecord
+from services.scheduler.tracing import RequestTraces
 from services.scheduler.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("meshllm.scheduler")
@@ -41,11 +45,15 @@ class Engine:
         self.info: pb.step.WorkerInfo | None = None
         self._streams: dict[int, _Stream] = {}
         self._owner: dict[str, int] = {}          # request id -> stream key
-        self._live: dict[str, list] = {}          # request id -> [arrival time, output tokens], for the log line
+        self._live: dict[str, RequestRecord] = {}  # request id -> its timestamps (metrics, timing, log line)
+        self.metrics: EngineMetrics | None = None   # built once the model name is known
         self._inbox: list[tuple[int, pb.engine.EngineRequest]] = []
         self._wake = asyncio.Event()
         self._stopping = False
+        self.vitals = EngineVitals(config.progress_timeout_s)  # read by the health thread
+        self.traces = RequestTraces() if telemetry.ENABLED else None  # None: tracing off
         self.steps = 0
+        self.aborts = AbortTracker(config.engine_id, 2 if config.async_scheduling else 1)
 
     # ---- worker link ------------------------------------------------------------------------
     async def connect_worker(self) -> None:
@@ -64,8 +72,13 @@ class Engine:
                                   policy=self.config.scheduling_policy,
                                   enable_prefix_caching=self.config.enable_prefix_caching)
             self.info = info
+            if self.metrics is None:
+                model_name = self.served_model_name or info.model_name
+                self.metrics = EngineMetrics(model_name, self.config.engine_id)
+                ENGINE_STATE.engines[(model_name, self.config.engine_id)] = self
             self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
             self.health.set_ready(True)
+            self.vitals.set_worker(True, "ready")
             log.info("worker ready: %d KV blocks of %d tokens, max_model_len %d, device %s",
                      info.num_kv_blocks, info.block_size, max_len, info.device)
             return
@@ -81,12 +94,17 @@ class Engine:
         stream = self._streams.pop(key, None)
         if stream and stream.request_ids:
             # The gateway went away: nobody will read these outputs.
+            if self.core is not None:
+                self.aborts.on_abort(stream.request_ids, self.core.requests)
             self._inbox.append((key, pb.engine.EngineRequest(abort=pb.engine.AbortBatch(
                 request_ids=list(stream.request_ids)))))
             self._wake.set()
 
     def submit(self, key: int, msg: pb.engine.EngineRequest) -> None:
+        if self.core is not None and msg.HasField("abort"):
+            self.aborts.on_abort(msg.abort.request_ids, self.core.requests)
         self._inbox.append((key, msg))
+        self.vitals.note_pending(True)
         self._wake.set()
 
     def _drain_inbox(self) -> None:
@@ -97,38 +115,71 @@ class Engine:
                     stream = self._streams.get(key)
                     if stream is None:
                         continue
+                    if self.vitals.draining:
+                        # Shutting down: refuse at once (the gateway may retry it elsewhere).
+                        stream.queue.put_nowait((self.steps, [RequestOutput(
+                            sub.request_id, [], FinishReason.ERROR, "unavailable", "the engine is shutting down",
+                            num_prompt_tokens=len(sub.prompt_token_ids))]))
+                        continue
                     self._owner[sub.request_id] = key
-                    self._live[sub.request_id] = [time.monotonic(), 0]
+                    self._live[sub.request_id] = self.metrics.on_submit(
+                        sub.trace.traceparent if sub.HasField("trace") else "")
                     stream.request_ids.add(sub.request_id)
-                    self.core.add_request(wire.request_from_submit(sub))
+                    request = wire.request_from_submit(sub)
+                    if self.traces is not None and request.trace is not None:
+                        self.traces.on_submit(request)  # the worker's parent becomes our span
+                    self.core.add_request(request)
             elif msg.HasField("abort"):
                 self.core.abort([rid for rid in msg.abort.request_ids if rid in self.core.requests])
 
     def _dispatch(self, step_id: int, outputs: list[RequestOutput]) -> None:
         per_stream: dict[int, list[RequestOutput]] = {}
+        metrics, now, generated = self.metrics, time.monotonic_ns(), 0
         for out in outputs:
             key = self._owner.get(out.request_id)
             live = self._live.get(out.request_id)
-            if live is not None:
-                live[1] += len(out.new_token_ids)
+            n = len(out.new_token_ids)
+            if live is not None and n:
+                generated += n
+                if not live.num_output_tokens:
+                    metrics.on_first_token(live, out.num_prompt_tokens, now)
+                    out.timing = metrics.stamps(live)
+                live.num_output_tokens += n
             if out.finish_reason is not None:
                 self._owner.pop(out.request_id, None)
-                self._log_finished(out, self._live.pop(out.request_id, None))
+                live = self._live.pop(out.request_id, None)
+                if live is not None:
+                    out.timing = metrics.on_finished(live, out.finish_reason, out.num_prompt_tokens, now)
+                self._log_finished(out, live, now)
+                if self.traces:  # None when tracing is off; empty when no request is traced
+                    self.traces.on_finished(out, live.num_output_tokens if live is not None else 0)
                 stream = self._streams.get(key)
                 if stream is not None:
                     stream.request_ids.discard(out.request_id)
             if key in self._streams:
                 per_stream.setdefault(key, []).append(out)
+        if generated:
+            metrics.generation_tokens.inc(generated)  # once per step, not per token
         for key, outs in per_stream.items():
             self._streams[key].queue.put_nowait((step_id, outs))
 
     @staticmethod
-    def _log_finished(out: RequestOutput, live: list | None) -> None:
+    def _log_finished(out: RequestOutput, live: RequestRecord | None, now_ns: int) -> None:
         """One line per request: counts and timing, never token ids or text."""
-        arrived, n_out = live if live is not None else (time.monotonic(), len(out.new_token_ids))
+        arrived = live.queued_ns if live is not None else now_ns
+        n_out = live.num_output_tokens if live is not None else len(out.new_token_ids)
         log.info("request %s finished reason=%s prompt_tokens=%d output_tokens=%d e2e_ms=%.0f%s",
                  out.request_id, out.finish_reason, out.num_prompt_tokens, n_out,
-                 (time.monotonic() - arrived) * 1e3, f" error={out.error_code}" if out.error_code else "")
+                 (now_ns - arrived) / 1e6, f" error={out.error_code}" if out.error_code else "")
+
+    def _mark_scheduled(self, plan) -> None:
+        """Queue time ends when a request first enters a step (new_requests: only requests
+        the worker holds no state for, so this loop does not grow with the running batch)."""
+        now = time.monotonic_ns()
+        for r in plan.new_requests:
+            rec = self._live.get(r.request_id)
+            if rec is not None and not rec.scheduled_ns:
+                self.metrics.on_scheduled(rec, now)
 
     # ---- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -137,12 +188,17 @@ class Engine:
         await self.connect_worker()
         depth = 2 if self.config.async_scheduling else 1
         inflight: deque = deque()
+        last_result = 0.0   # when the previous step's result arrived (step duration)
         while not self._stopping:
             self._drain_inbox()
+            self.vitals.note_pending(bool(inflight) or self.core.has_work())
             if len(inflight) < depth and self.core.has_work():
                 plan = self.core.schedule()
                 if not plan.is_empty():
+                    if plan.new_requests:
+                        self._mark_scheduled(plan)
                     await self.worker.send_plan(wire.plan_to_proto(plan))
+                    self.aborts.on_plan(plan.step_id)
                     inflight.append((plan, time.perf_counter()))
                     if len(inflight) < depth:
                         continue  # plan the next step before waiting for this one
@@ -156,23 +212,48 @@ class Engine:
                     log.error("worker lost: %s", exc)
                     inflight.clear()
                     self.health.set_ready(False, str(exc))
+                    self.vitals.set_worker(False, f"worker lost: {exc}")
                     self._dispatch(plan.step_id, self.core.fail_all("unavailable", f"engine unavailable: {exc}"))
                     await self.connect_worker()
                     continue
+                self.aborts.on_result(plan.step_id, result.outputs)
                 outputs = self.core.update(plan, wire.result_from_proto(result))
                 self.steps += 1
+                self.vitals.step_done()
                 self._dispatch(plan.step_id, outputs)
-                log.debug("step %d: %d reqs, %d tokens, %.1f ms", plan.step_id, len(plan.scheduled_ids),
-                          plan.num_scheduled_tokens, (time.perf_counter() - t0) * 1e3)
+                # With two plans in flight a step starts when the previous result is in, not
+                # when it was sent: count only the time it really held the pipeline.
+                now = time.perf_counter()
+                num_reqs = len(plan.new_requests) + len(plan.cached_requests)
+                num_tokens = plan.num_scheduled_tokens
+                self.metrics.on_step(now - max(t0, last_result), num_reqs, num_tokens)
+                last_result = now
+                log.debug("step %d: %d reqs, %d tokens, %.1f ms", plan.step_id, num_reqs, num_tokens,
+                          (now - t0) * 1e3)
                 continue
             if not self._inbox:
                 # Idle, or nothing fits until something changes: wait for a submit or abort.
                 self._wake.clear()
                 await self._wake.wait()
 
+    def begin_drain(self) -> None:
+        """SIGTERM: readiness goes false and new submits are refused; in-flight ones go on."""
+        self.vitals.draining = True
+        self.health.set_ready(False, "shutting down")
+
+    def busy(self) -> bool:
+        return self.core is not None and (self.core.has_work() or bool(self._inbox))
+
+    def fail_remaining(self, message: str) -> None:
+        """End what the grace period did not finish with a clear error, not silence."""
+        if self.core is not None:
+            self._dispatch(self.steps, self.core.fail_all("unavailable", message))
+
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        if self.traces is not None:
+            self.traces.close_all()
 
 
 def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
@@ -198,6 +279,8 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
             m.new_token_ids += o.new_token_ids
             m.logprobs += o.logprobs
             m.finish_reason, m.error_code, m.error_message = o.finish_reason, o.error_code, o.error_message
+            if o.timing is not None:
+                m.timing = o.timing
             m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
             m.num_prompt_tokens, m.stop_token_id = o.num_prompt_tokens, o.stop_token_id
     return earlier + list(merged.values())
@@ -260,4 +343,6 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
         return pb.engine.LoadInfo(num_running=core.num_running, num_waiting=core.num_waiting,
                                   kv_usage=core.pool.usage, steps=self.engine.steps,
                                   prefix_cache_queries=st["prefix_cache_queries"],
-                                  prefix_cache_hits=st["prefix_cache_hits"], num_preemptions=core.num_preemptions)
+                                  prefix_cache_hits=st["prefix_cache_hits"], num_preemptions=core.num_preemptions,
+                                  aborts=self.engine.aborts.aborts,
+                                  tokens_after_abort=self.engine.aborts.tokens_after_abort)

@@ -78,6 +78,9 @@ def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.Ou
             ro.num_cached_tokens = o.num_cached_tokens
         if o.logprobs:
             ro.logprobs.extend(o.logprobs)
+        if o.timing is not None:
+            t = ro.timing
+            t.queued_unix_ns, t.first_scheduled_unix_ns, t.first_token_unix_ns, t.finished_unix_ns = o.timing
         if o.error_code is not None:
             ro.error.code = _ERROR.get(o.error_code, pb.common.ERROR_CODE_INTERNAL)
             ro.error.message = o.error_message

@@ -7,6 +7,7 @@ import zmq
 import zmq.asyncio
 
 from services.common import pb
+from services.common.zmq_curve import CurveClientKeys
 
 
 class WorkerUnavailable(Exception):
@@ -14,9 +15,10 @@ class WorkerUnavailable(Exception):
 
 
 class WorkerClient:
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, curve: CurveClientKeys | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.curve = curve
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
 
@@ -24,6 +26,8 @@ class WorkerClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None and self.curve.enabled:
+                self.curve.secure(sock)  # before connect: the handshake uses these keys
             sock.connect(self.address)
             self._sock = sock
         return self._sock

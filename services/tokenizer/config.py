@@ -1,8 +1,10 @@
 """The tokenizer service's one validated config (filled from flags in main.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.common.internal_tls import InternalTls
 
 
 @dataclass
@@ -19,8 +21,12 @@ class TokenizerConfig:
     max_render_s: float = 2.0
     max_detokenize_requests: int = 65536  # unfinished requests per Detokenize stream
     worker_threads: int = 2             # encode/render off the event loop
+    internal_tls: InternalTls = field(default_factory=InternalTls)  # mTLS on our gRPC port
+    metrics_port: int = 0               # Prometheus /metrics on host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
+        from services.common.metrics import check_metrics_config
+        check_metrics_config(self.metrics_port)
         model = Path(self.model)
         if not (model / "tokenizer.json").is_file():
             raise ValueError(f"--model {self.model}: no tokenizer.json in that directory")

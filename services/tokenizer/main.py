@@ -5,7 +5,10 @@ import argparse
 import asyncio
 import sys
 
+from services.common import telemetry
+from services.common import internal_tls
 from services.common.log import setup_logging
+from services.common.metrics import add_metrics_args
 from services.common.procs import install_stop_handlers
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import TokenizerLoadError
@@ -33,11 +36,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="unfinished requests per Detokenize stream")
     p.add_argument("--worker-threads", type=int, default=d["worker_threads"].default)
     p.add_argument("--log-level", default=None)
+    add_metrics_args(p)
+    internal_tls.add_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(telemetry.init_service("tokenizer", argv))  # tracing flags + OTEL_*
     try:
         config = TokenizerConfig(
             model=args.model, host=args.host, port=args.port, chat_template=args.chat_template,
@@ -45,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             max_total_chars=args.max_total_chars, max_chat_messages=args.max_chat_messages,
             max_template_chars=args.max_template_chars, max_render_s=args.max_render_s,
             max_detokenize_requests=args.max_detokenize_requests,
-            worker_threads=args.worker_threads)
+            worker_threads=args.worker_threads, internal_tls=internal_tls.from_args(args),
+            metrics_port=args.metrics_port)
     except ValueError as e:
         print(f"tokenizer: {e}", file=sys.stderr)
         return 2

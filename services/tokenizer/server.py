@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.common.grpc_server import ServiceHealth, bind, make_server
+from services.common.metrics import start_metrics_server
 from services.tokenizer.chat_template import ChatTemplateError, MessageLimits, RenderLimits
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.detokenizer import DetokenizerFullError, IncrementalDetokenizer
+from services.tokenizer.tracing import DetokenizeSpans
 from services.tokenizer.template_inputs import (parse_template_kwargs, parse_tools,
                                                 tool_calls_for_template)
 
@@ -51,6 +53,9 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"texts too long in total: {total} chars > {cfg.max_total_chars}")
         results = await self._encode(texts, request.add_special_tokens, total)
+        if telemetry.ENABLED:  # the span opened by grpc_tracing; counts only, never text
+            telemetry.annotate({"meshllm.texts": len(texts), "meshllm.chars": total,
+                                "meshllm.tokens": sum(map(len, results))})
         log.info("encode texts=%d chars=%d tokens=%d add_special=%s ms=%.1f", len(texts), total,
                  sum(map(len, results)), request.add_special_tokens,
                  (time.perf_counter() - start) * 1e3)
@@ -76,6 +81,9 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
         if request.tokenize:
             # The template already wrote the special tokens (bos, headers) it wants.
             ids = (await self._encode([text], False, len(text)))[0]
+        if telemetry.ENABLED:
+            telemetry.annotate({"meshllm.messages": len(messages), "meshllm.chars": len(text),
+                                "meshllm.tokens": len(ids)})
         log.info("chat_template messages=%d chars=%d tokens=%d ms=%.1f", len(messages), len(text),
                  len(ids), (time.perf_counter() - start) * 1e3)
         return pb.tokenizer.ChatTemplateResponse(text=text, token_ids=ids)
@@ -83,6 +91,7 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
     async def Detokenize(self, request_iterator, context):
         # Per-stream state: it dies with the stream even if items never said finished.
         detok = IncrementalDetokenizer(self._core.decode, self._config.max_detokenize_requests)
+        spans = DetokenizeSpans(self._config.max_detokenize_requests) if telemetry.ENABLED else None
         messages = items = 0
         try:
             async for request in request_iterator:
@@ -93,6 +102,8 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
                     error = _bad_item(item)
                     if error:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+                    if spans is not None:
+                        spans.on_item(item)
                     try:
                         delta = detok.step(item.request_id, item.new_token_ids,
                                            prefix_token_ids=item.prefix_token_ids,
@@ -111,6 +122,8 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
             log.info("detokenize stream closed messages=%d items=%d unfinished=%d",
                      messages, items, len(detok))
             detok.clear()
+            if spans is not None:
+                spans.clear()
 
     async def Decode(self, request, context):
         cfg = self._config
@@ -168,7 +181,7 @@ def build_server(core: TokenizerCore, config: TokenizerConfig,
     server, health = make_server("tokenizer", [SERVICE_NAME])
     pb.tokenizer_grpc.add_TokenizerServicer_to_server(
         TokenizerServicer(core, config, executor), server)
-    port = bind(server, config.address)
+    port = bind(server, config.address, config.internal_tls.server_credentials())
     return server, health, port
 
 
@@ -186,6 +199,9 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event) -> int:
         health.set_ready(True)
         host = f"[{config.host}]" if ":" in config.host else config.host
         print(f"tokenizer listening on {host}:{port}", flush=True)
+        metrics_port = start_metrics_server(config.host, config.metrics_port)
+        if metrics_port:
+            print(f"tokenizer metrics on http://{host}:{metrics_port}/metrics", flush=True)
         await stop.wait()
         health.set_ready(False, "stopping")
         await server.stop(grace=2.0)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.internal_tls import InternalTls
+from services.common.zmq_curve import CurveServerKeys
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -28,6 +31,14 @@ class WorkerConfig:
     simulate: bool = False             # no model: services/worker/simulated.py
     simulate_step_ms: float = 0.0      # simulated time per step ...
     simulate_token_ms: float = 0.0     # ... plus per scheduled token
+    profile_dir: str = ""              # root of profiler traces (WorkerControl); "": refused
+    internal_tls: InternalTls = field(default_factory=InternalTls)      # mTLS on the health port
+    zmq_curve: CurveServerKeys = field(default_factory=CurveServerKeys)  # CURVE on the ROUTER
+    tensor_parallel_size: int = 1      # ranks (processes) of this worker; rank r uses cuda:r
+    tp_rank: int = 0                   # set by rank 0 for the ranks it starts (tp_ranks.py)
+    tp_init_method: str = ""           # torch.distributed rendezvous, set by rank 0 likewise
+    engine_id: str = "0"               # the `engine` label of this worker's metrics
+    metrics_port: int = 0              # Prometheus /metrics on host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -52,6 +63,20 @@ class WorkerConfig:
             raise ValueError("--num-threads must be >= 0")
         if self.simulate_step_ms < 0 or self.simulate_token_ms < 0:
             raise ValueError("--simulate-step-ms and --simulate-token-ms must be >= 0")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"--tensor-parallel-size must be in [1, 64], got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            if self.simulate:
+                raise ValueError("--tensor-parallel-size applies to the real worker, not --simulate")
+            if self.device not in ("cpu", "cuda"):
+                raise ValueError("with --tensor-parallel-size > 1 pass --device cuda (rank r runs on "
+                                 "cuda:r; choose the GPUs with CUDA_VISIBLE_DEVICES) or cpu")
+        if not 0 <= self.tp_rank < self.tensor_parallel_size:
+            raise ValueError(f"tp rank {self.tp_rank} outside [0, {self.tensor_parallel_size})")
+        if self.tp_rank and not self.tp_init_method.startswith("tcp://"):
+            raise ValueError("a tensor-parallel rank > 0 needs a tcp:// init method")
+        from services.common.metrics import check_metrics_config
+        check_metrics_config(self.metrics_port, self.engine_id)
         if not self.served_model_name:
             self.served_model_name = os.path.basename(os.path.normpath(self.model))
 
@@ -68,4 +93,12 @@ class WorkerConfig:
 
     @property
     def threads(self) -> int:
-        return self.num_threads or len(os.sched_getaffinity(0))
+        # CPU ranks of one worker share the cores instead of each spinning on all of them.
+        return self.num_threads or max(1, len(os.sched_getaffinity(0)) // self.tensor_parallel_size)
+
+    @property
+    def rank_device(self) -> str:
+        """This rank's device: rank r of a tensor-parallel CUDA worker runs on cuda:r."""
+        if self.tensor_parallel_size > 1 and self.device == "cuda":
+            return f"cuda:{self.tp_rank}"
+        return self.device

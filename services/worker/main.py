@@ -5,7 +5,12 @@ import argparse
 import asyncio
 import os
 
+from services.common import telemetry
+from services.common import internal_tls
 from services.common.log import setup_logging
+from services.common.metrics import add_metrics_args
+from services.common.profiling import default_profile_dir
+from services.common.zmq_curve import CurveServerKeys
 from services.worker.config import DTYPES, WorkerConfig
 
 
@@ -29,27 +34,49 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: all cores)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N ranks (one process each; on CUDA rank r uses cuda:r) "
+                        "joined by torch.distributed (NCCL on GPUs, gloo on CPUs); N must divide the "
+                        "attention heads, KV heads and MLP size")
+    # Internal: how rank 0 starts the other ranks (services/worker/tp_ranks.py).
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--tp-init-method", default="", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=None, help="DEBUG logs one line per step")
+    add_metrics_args(p, engine_id=True)
     p.add_argument("--simulate", action="store_true",
                    help="no model, no torch: speak the step protocol and sample pseudo-random tokens "
                         "(to measure the gateway, tokenizer and scheduler alone)")
     p.add_argument("--simulate-step-ms", type=float, default=0.0, help="simulated time of one step")
     p.add_argument("--simulate-token-ms", type=float, default=0.0, help="simulated time per scheduled token")
+    p.add_argument("--profile-dir", default=default_profile_dir(),
+                   help="torch.profiler traces go under this directory (WorkerControl); "
+                        "default $MESHLLM_CACHE/profiles or ~/.cache/meshllm/profiles")
+    internal_tls.add_flags(p)
+    p.add_argument("--zmq-curve-secret-key", default="",
+                   help="CURVE on the ROUTER: this worker's secret key file (NAME.key_secret)")
+    p.add_argument("--zmq-curve-clients", default="",
+                   help="CURVE on the ROUTER: directory of the allowed clients' public key files (*.key)")
     a = p.parse_args(argv)
-    setup_logging("worker", a.log_level)
+    setup_logging("worker" if not a.tp_rank else f"worker-rank{a.tp_rank}", a.log_level)
+    if a.log_level:  # the other tensor-parallel ranks inherit it
+        os.environ["MESHLLM_LOG_LEVEL"] = a.log_level
     try:
         return WorkerConfig(model=a.model, zmq_addr=a.zmq_addr, host=a.host, grpc_port=a.grpc_port,
                             device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                             kv_cache_memory_gb=a.kv_cache_memory_gb, num_kv_blocks=a.num_kv_blocks,
                             block_size=a.block_size, served_model_name=a.served_model_name,
                             num_threads=a.num_threads, enforce_eager=a.enforce_eager, simulate=a.simulate,
-                            simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms)
+                            simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms, profile_dir=a.profile_dir,
+                            tensor_parallel_size=a.tensor_parallel_size, tp_rank=a.tp_rank,
+                            tp_init_method=a.tp_init_method, internal_tls=internal_tls.from_args(a),
+                            zmq_curve=CurveServerKeys(a.zmq_curve_secret_key, a.zmq_curve_clients),
+                            engine_id=a.engine_id, metrics_port=a.metrics_port)
     except ValueError as exc:
         p.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+    cfg = parse_args(telemetry.init_service("worker", argv))  # tracing flags + OTEL_*
     # OpenMP threads that spin at barriers collapse throughput (5x measured) when the worker
     # shares cores with the other services; sleeping threads cost little. Must be set before
     # torch (and its OpenMP runtime) is loaded; an explicit setting wins.
@@ -57,5 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.simulate:
         from services.worker.simulated import serve as serve_simulated
         return asyncio.run(serve_simulated(cfg))
+    if cfg.tp_rank:  # a tensor-parallel rank started by rank 0: no sockets, plans come from rank 0
+        from services.worker.tp_ranks import follower_main
+        return follower_main(cfg)
     from services.worker.server import serve  # torch import only after the flags are valid
     return asyncio.run(serve(cfg))

@@ -9,6 +9,7 @@ the next decode step (num_scheduled = 1) runs it without the scheduler sending i
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
 
@@ -59,8 +60,12 @@ class _Scheduled:
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, model_name: str, kv_cache_bytes: int,
                  num_kv_blocks: int | None = None, block_size: int = 16,
-                 enforce_eager: bool = False, max_num_tokens: int = 16384) -> None:
+                 enforce_eager: bool = False, max_num_tokens: int = 16384,
+                 seed_rng: random.Random | None = None) -> None:
         self.model = model
+        # Base seeds of unseeded requests; tensor-parallel ranks pass one identically seeded rng
+        # so every rank samples the same tokens (None: the process-wide `random`).
+        self.seed_rng = seed_rng
         self.model_name = model_name
         self.kv_cache_bytes = kv_cache_bytes
         self.fixed_num_blocks = num_kv_blocks
@@ -189,7 +194,7 @@ class ModelRunner:
         for r in plan.new_requests:
             cfg = sampling[r.request_id]
             state = RequestState(r.request_id, list(r.token_ids), list(r.block_ids), cfg,
-                                 new_base_seed(cfg), r.num_output_tokens, r.num_computed_tokens)
+                                 new_base_seed(cfg, self.seed_rng), r.num_output_tokens, r.num_computed_tokens)
             self.requests[r.request_id] = state
             scheduled.append(_Scheduled(state, r.num_computed_tokens, r.num_scheduled_tokens))
         for r in plan.cached_requests:

@@ -100,9 +100,10 @@ class SamplingConfig:
         )
 
 
-def new_base_seed(cfg: SamplingConfig) -> int:
-    """The request's base seed: its own, or a random one drawn once at creation."""
-    return cfg.seed if cfg.seed is not None else random.getrandbits(63)
+def new_base_seed(cfg: SamplingConfig, rng: random.Random | None = None) -> int:
+    """The request's base seed: its own, or a random one drawn once at creation from `rng`
+    (tensor-parallel ranks share one seeded rng, so they draw the same noise)."""
+    return cfg.seed if cfg.seed is not None else (rng or random).getrandbits(63)
 
 
 def step_seed(base_seed: int, position: int) -> int:

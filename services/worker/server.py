@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 
@@ -14,12 +15,16 @@ import torch
 import zmq
 from google.protobuf.message import DecodeError
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.common.procs import install_stop_handlers
 from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
 from services.worker.models import load_model
 from services.worker.models.config import ModelConfigError
 from services.worker.runner import ModelRunner, PlanError
+from services.worker.control import WorkerControlServicer
+from services.worker.profiling import StepProfiler
+from services.worker.step_tracing import StepTracer
 from services.worker.zmq_link import open_endpoints
 
 log = logging.getLogger("meshllm.worker")
@@ -40,26 +45,40 @@ class _Stats:
 class Engine:
     """Owns the runner and the ROUTER socket; `run()` is the engine thread's body."""
 
-    def __init__(self, cfg: WorkerConfig, sock: zmq.Socket) -> None:
+    def __init__(self, cfg: WorkerConfig, sock: zmq.Socket | None, tp=None) -> None:
         self.cfg = cfg
-        self.sock = sock
+        self.sock = sock           # None on tensor-parallel ranks > 0 (tp_ranks.follower_main)
+        self.tp = tp               # tp_ranks.TpLink when --tensor-parallel-size > 1
+        self.tp_closed = tp is None
         self.runner: ModelRunner | None = None
         self.stop_flag = threading.Event()
         self.failed: BaseException | None = None
         self.stats = _Stats()
+        self.profiler: StepProfiler | None = None   # set by serve() (rank 0 only)
+        self.metrics = WorkerMetrics(cfg.served_model_name, cfg.engine_id)
+        # Spans of traced requests (services/worker/step_tracing.py); rank 0 only, None when off.
+        self.step_tracer = StepTracer() if telemetry.ENABLED and not cfg.tp_rank else None
 
     def load(self) -> None:
         torch.set_num_threads(self.cfg.threads)
         t0 = time.monotonic()
-        model = load_model(self.cfg.model, self.cfg.device, self.cfg.torch_dtype,
-                           self.cfg.max_model_len or None)
+        device = torch.device(self.cfg.rank_device)
+        if self.tp is not None:
+            self.tp.connect(device)
+        model = load_model(self.cfg.model, device, self.cfg.torch_dtype, self.cfg.max_model_len or None)
+        if self.tp is not None:
+            from services.worker.tp import shard_model
+            model = shard_model(model, self.tp.rank, self.tp.size, self.tp.group)
         self.runner = ModelRunner(model, model_name=self.cfg.served_model_name,
                                   kv_cache_bytes=self.cfg.kv_cache_bytes,
                                   num_kv_blocks=self.cfg.num_kv_blocks or None,
                                   block_size=self.cfg.block_size,
-                                  enforce_eager=self.cfg.enforce_eager)
+                                  enforce_eager=self.cfg.enforce_eager,
+                                  seed_rng=self.tp.seed_rng if self.tp is not None else None)
+        if self.tp is not None:
+            self.tp.barrier()  # ready means every rank holds its shard and KV cache
         log.info("model %s ready in %.1fs on %s (%s, %d threads), max_model_len %d",
-                 self.cfg.served_model_name, time.monotonic() - t0, self.cfg.device,
+                 self.cfg.served_model_name, time.monotonic() - t0, device,
                  str(model.dtype).removeprefix("torch."), torch.get_num_threads(), model.max_model_len)
 
     def handle(self, payload: bytes) -> pb.step.WorkerReply:
@@ -78,11 +97,24 @@ class Engine:
             log.info("scheduler hello: block_size %d -> %d KV blocks", info.block_size, info.num_kv_blocks)
             return pb.step.WorkerReply(info=info)
         if kind == "plan":
+            if self.profiler is not None and self.profiler.active:   # a "meshllm.step" range
+                return pb.step.WorkerReply(result=self.profiler.run_step(lambda: self._step(req.plan)))
             return pb.step.WorkerReply(result=self._step(req.plan))
         return _error_reply(0, "empty WorkerRequest")
 
     def _step(self, plan: pb.step.StepPlan) -> pb.step.StepResult:
+        tracer = self.step_tracer
+        if tracer is not None:
+            start_ns = time.time_ns()
         result = self.runner.execute(plan)
+        if self.tp is not None and result.error.code == pb.common.ERROR_CODE_INTERNAL:
+            # Bad plans fail alike on every rank before any collective; a failure inside the
+            # forward may leave the ranks disagreeing or waiting in an all-reduce forever.
+            from services.worker.tp_ranks import TpStepFailed
+            raise TpStepFailed(f"step {plan.step_id} failed on tensor-parallel rank {self.tp.rank}: "
+                               f"{result.error.message}")
+        if tracer is not None:
+            tracer.on_step(plan, result, start_ns, time.time_ns())
         s = self.stats
         s.steps += 1
         num_tokens = (sum(r.num_scheduled_tokens for r in plan.new_requests)
@@ -93,6 +125,7 @@ class Engine:
         s.busy_ns += result.forward_ns
         if result.HasField("error"):
             s.errors += 1
+        self.metrics.on_step(result.forward_ns, num_tokens, num_sampled, result.HasField("error"))
         log.debug("step %d: new %d cached %d finished %d tokens %d sampled %d %.1fms%s",
                   plan.step_id, len(plan.new_requests), len(plan.cached_requests), len(plan.finished_ids),
                   num_tokens, num_sampled, result.forward_ns / 1e6,
@@ -119,10 +152,19 @@ class Engine:
             while not self.stop_flag.is_set():
                 if poller.poll(_POLL_MS):
                     frames = self.sock.recv_multipart()
+                    if self.tp is not None:
+                        self.tp.send(frames[-1])  # every rank runs every request
                     # [identity, (empty delimiter,) payload]: reply on the same envelope.
                     reply = self.handle(frames[-1])
                     self.sock.send_multipart([*frames[:-1], reply.SerializeToString()])
+                elif self.tp is not None:
+                    self.tp.heartbeat()
+                if self.profiler is not None:
+                    self.profiler.tick()   # start a requested capture, end one past its bounds
                 self._maybe_log_summary()
+            if self.tp is not None:
+                self.tp.send_stop()
+                self.tp_closed = self.tp.close()
         except ModelConfigError as exc:
             self.failed = exc
             log.error("cannot serve %s: %s", self.cfg.model, exc)
@@ -130,6 +172,8 @@ class Engine:
             self.failed = exc
             log.exception("worker engine failed")
         finally:
+            if self.profiler is not None:
+                self.profiler.shutdown()
             self.sock.close(linger=0)
             on_exit()
 
@@ -145,11 +189,24 @@ async def serve(cfg: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     install_stop_handlers(loop, stop)
-    endpoints = await open_endpoints(cfg, log)
+    tp = ranks = None
+    if cfg.tensor_parallel_size > 1:
+        from services.worker.tp_ranks import TpLink, start_ranks
+        try:  # before the gRPC server's threads exist: the ranks are forked from this process
+            cfg, ranks = start_ranks(cfg)
+        except ModelConfigError as exc:
+            log.error("cannot serve %s: %s", cfg.model, exc)
+            return 1
+        tp = TpLink(cfg)
+    profiler = StepProfiler(cfg.profile_dir, cfg.rank_device)
+    endpoints = await open_endpoints(cfg, log, WorkerControlServicer(profiler))
     if endpoints is None:
+        if ranks is not None:
+            ranks.stop(0.0)
         return 1
     server, health, ctx, sock = endpoints
-    engine = Engine(cfg, sock)
+    engine = Engine(cfg, sock, tp)
+    engine.profiler = profiler
     thread = threading.Thread(
         target=engine.run, name="worker-engine", daemon=True,
         args=(lambda: loop.call_soon_threadsafe(health.set_ready, True),
@@ -160,6 +217,9 @@ async def serve(cfg: WorkerConfig) -> int:
     engine.stop_flag.set()
     await asyncio.to_thread(thread.join, 30.0)
     await server.stop(1.0)
+    if ranks is not None:  # told to stop after a clean exit; otherwise they may be stuck: kill
+        clean = engine.failed is None and not thread.is_alive()
+        await asyncio.to_thread(ranks.stop, 10.0 if clean else 0.0)
     if thread.is_alive():  # stuck in a step: the process exits anyway (daemon thread)
         log.error("engine thread did not stop in 30s")
         return 1
@@ -167,4 +227,7 @@ async def serve(cfg: WorkerConfig) -> int:
     if engine.failed is not None:
         return 1
     log.info("worker stopped")
+    if not engine.tp_closed:  # the teardown thread may sit in NCCL forever: do not wait at exit
+        logging.shutdown()
+        os._exit(0)
     return 0

@@ -24,9 +24,12 @@ from pathlib import Path
 import zmq
 from google.protobuf.message import DecodeError
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.common.procs import install_stop_handlers
 from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
+from services.worker.control import WorkerControlServicer
+from services.worker.step_tracing import StepTracer
 from services.worker.zmq_link import open_endpoints
 
 log = logging.getLogger("meshllm.worker.simulated")
@@ -163,6 +166,8 @@ class SimulatedEngine:
         self.stop_flag = threading.Event()
         self.failed: BaseException | None = None
         self.steps = self.sampled = 0
+        self.metrics = WorkerMetrics(cfg.served_model_name, cfg.engine_id)
+        self.step_tracer = StepTracer() if telemetry.ENABLED else None  # the real worker's spans
 
     def handle(self, payload: bytes) -> pb.step.WorkerReply:
         req = pb.step.WorkerRequest()
@@ -188,7 +193,12 @@ class SimulatedEngine:
                 time.sleep(left)
             result.forward_ns = int((time.perf_counter() - t0) * 1e9)
             self.steps += 1
-            self.sampled += sum(len(o.token_ids) for o in result.outputs)
+            num_sampled = sum(len(o.token_ids) for o in result.outputs)
+            self.sampled += num_sampled
+            self.metrics.on_step(result.forward_ns, num_tokens, num_sampled, result.HasField("error"))
+            if self.step_tracer is not None:
+                end_ns = time.time_ns()
+                self.step_tracer.on_step(req.plan, result, end_ns - result.forward_ns, end_ns)
             return pb.step.WorkerReply(result=result)
         return _error_reply("undecodable or empty WorkerRequest")
 
@@ -231,7 +241,10 @@ async def serve(cfg: WorkerConfig) -> int:
     except (OSError, ValueError, KeyError) as exc:
         log.error("cannot read %s/config.json: %s", cfg.model, exc)
         return 1
-    endpoints = await open_endpoints(cfg, log)
+    # WorkerControl answers, but refuses captures: nothing here runs torch (control.py).
+    control = WorkerControlServicer(refusal="the simulated worker runs no model: nothing to profile "
+                                            "(start the mesh without --simulate-worker)")
+    endpoints = await open_endpoints(cfg, log, control)
     if endpoints is None:
         return 1
     server, health, ctx, sock = endpoints

@@ -13,20 +13,31 @@ explicit init_method such as tcp://127.0.0.1:PORT.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
 
-from services.worker.models.config import ModelConfigError
+from services.worker.models.config import ModelConfig, ModelConfigError
 from services.worker.models.llama import LayerWeights, LlamaModel
 
 
-def init_tp(rank: int, world_size: int, device: torch.device, init_method: str = "env://"):
+def init_tp(rank: int, world_size: int, device: torch.device, init_method: str = "env://",
+            timeout_s: float | None = None):
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     return dist.group.WORLD
+
+
+def check_tp_size(cfg: ModelConfig, world_size: int) -> None:
+    """Raise ModelConfigError unless `world_size` ranks can split the model evenly."""
+    nh, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if world_size < 1 or nh % world_size or kvh % world_size or inter % world_size:
+        raise ModelConfigError(f"tensor parallel size {world_size} must divide num_heads {nh}, "
+                               f"num_kv_heads {kvh} and intermediate_size {inter}")
 
 
 def _rows(t: torch.Tensor | None, start: int, size: int) -> torch.Tensor | None:
@@ -38,9 +49,7 @@ def shard_model(model: LlamaModel, rank: int, world_size: int, group=None) -> Ll
     cfg = model.cfg
     n = world_size
     nh, kvh, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    if nh % n or kvh % n or inter % n:
-        raise ModelConfigError(f"tensor parallel size {n} must divide num_heads {nh}, num_kv_heads {kvh} "
-                               f"and intermediate_size {inter}")
+    check_tp_size(cfg, n)
     qs, ks, i_s = nh // n * d, kvh // n * d, inter // n
     layers = []
     for lw in model.layers:

@@ -31,6 +31,28 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Every process below `pid`, breadth first (children before grandchildren)."""
+    found, level = [], [pid]
+    while level:
+        level = [kid for parent in level for kid in children_of(parent)]
+        found += level
+    return found
+
+
+def service_name(pid: int) -> str:
+    """`worker` for `python -m services.worker ...`; "" when it is not one of ours (or gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return ""
+    for i, arg in enumerate(argv[:-1]):
+        if arg == b"-m" and argv[i + 1].startswith(b"services."):
+            return argv[i + 1].decode().removeprefix("services.")
+    return ""
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -66,7 +88,9 @@ class MeshProcess:
         raise RuntimeError("the launcher did not print its services line")
 
     def service_pids(self) -> list[int]:
-        return children_of(self.proc.pid)
+        """Every process of the mesh below the launcher: the supervisor, the services it
+        runs, and their own children (tensor-parallel ranks)."""
+        return descendants_of(self.proc.pid)
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.integration.meshproc import ROOT, children_of, free_port, start_mesh
+from tests.integration.meshproc import ROOT, free_port, start_mesh
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -82,7 +82,7 @@ def test_compare_rejects_a_file_that_is_not_a_result(tmp_path):
 def test_bench_against_a_simulated_worker_mesh(smollm2_dir, tmp_path):
     m = start_mesh(str(smollm2_dir), "--simulate-worker", "--simulate-step-ms", "2", "--max-model-len", "1024")
     try:
-        worker = next(pid for pid in children_of(m.proc.pid)
+        worker = next(pid for pid in m.service_pids()
                       if b"services.worker" in open(f"/proc/{pid}/cmdline", "rb").read())
         maps = open(f"/proc/{worker}/maps").read()
         assert "libtorch" not in maps, "the simulated worker must not load torch"

@@ -58,6 +58,7 @@ def test_missing_or_wrong_key_is_a_401_and_the_key_is_not_logged(keyed, mesh, he
         assert r.json()["error"]["type"] == "authentication_error"
         assert r.headers["www-authenticate"].startswith("Bearer")
     assert httpx.get(base + "/health", timeout=10).status_code == 200   # /health stays open
+    assert httpx.get(base + "/metrics", timeout=10).status_code == 200  # so does /metrics
     time.sleep(0.2)
     log = keyed.log()
     assert "auth refused" in log
@@ -226,6 +227,7 @@ def test_admission_beyond_the_inflight_limit_is_a_429_and_admitted_requests_fini
                 model=mesh.model_name, text="Hi", sampling=pb.common.SamplingParams(max_tokens=1)),
                 timeout=60))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
         for t in threads:
             t.join(120)
         assert results == [30, 30]  # both admitted requests ran to the end

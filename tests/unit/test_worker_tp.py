@@ -43,3 +43,20 @@ def test_shard_rejects_a_size_that_does_not_divide_the_heads(tmp_path):
     model = load_model(make_tiny_llama(tmp_path, seed=1))  # 6 q heads, 2 kv heads
     with pytest.raises(ModelConfigError, match="must divide"):
         shard_model(model, 0, 3)
+
+
+def test_worker_config_places_ranks_and_rejects_bad_tp_flags(tmp_path):
+    from services.worker.config import WorkerConfig
+    (tmp_path / "config.json").write_text("{}")
+    cfg = WorkerConfig(model=str(tmp_path), zmq_addr="ipc:///tmp/x", device="cuda", tensor_parallel_size=2,
+                       tp_rank=1, tp_init_method="tcp://127.0.0.1:1234")
+    assert cfg.rank_device == "cuda:1"
+    cpu = WorkerConfig(model=str(tmp_path), zmq_addr="ipc:///tmp/x", tensor_parallel_size=2, num_threads=0)
+    assert cpu.rank_device == "cpu" and cpu.threads >= 1
+    for bad, match in [(dict(tensor_parallel_size=0), "tensor-parallel-size"),
+                       (dict(tensor_parallel_size=2, simulate=True), "not --simulate"),
+                       (dict(tensor_parallel_size=2, device="cuda:1"), "--device cuda"),
+                       (dict(tensor_parallel_size=2, tp_rank=2), "outside"),
+                       (dict(tensor_parallel_size=2, tp_rank=1), "init method")]:
+        with pytest.raises(ValueError, match=match):
+            WorkerConfig(model=str(tmp_path), zmq_addr="ipc:///tmp/x", **bad)

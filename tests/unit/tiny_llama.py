@@ -10,8 +10,9 @@ VOCAB = 96
 
 
 def make_tiny_llama(path: Path, *, tie: bool = False, rope_scaling: dict | None = None,
-                    seed: int = 0, max_pos: int = 256) -> Path:
-    """hidden 48, 6 query heads / 2 kv heads (GQA ratio 3), head_dim 8, 2 layers."""
+                    seed: int = 0, max_pos: int = 256, vocab: int = VOCAB) -> Path:
+    """hidden 48, 6 query heads / 2 kv heads (GQA ratio 3), head_dim 8, 2 layers. `vocab` lets a
+    real tokenizer drive it (tests/integration/test_tensor_parallel.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -19,7 +20,7 @@ def make_tiny_llama(path: Path, *, tie: bool = False, rope_scaling: dict | None 
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
         kwargs["rope_theta"] = 500000.0
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=max_pos,
                       tie_word_embeddings=tie, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                       **kwargs)

@@ -79,3 +79,6 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int = -1
+    # Set by the adapter on the first-token and finishing outputs (the core has no clock):
+    # RequestTiming stamps (queued, first scheduled, first token, finished), Unix ns, 0 = not yet.
+    timing: tuple[int, int, int, int] | None = None

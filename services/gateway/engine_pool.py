@@ -1,0 +1,224 @@
+"""The gateway's engine replicas: one EngineClient per scheduler, routed by router.Router.
+
+A replica takes new requests only while it is *routable*: its EngineStream is open, its
+grpc.health.v1 readiness is SERVING (polled here), and, when a supervisor publishes the
+set, the supervisor says READY (DRAINING, STARTING, RESTARTING and DEAD take nothing new).
+Requests already on a replica that stops being routable finish there.
+
+A request whose replica fails it before its first token (the EngineStream broke, or the
+scheduler lost its worker and answered UNAVAILABLE) is submitted again, on the same
+handle, to another routable replica, at most `max_attempts` replicas in all; after its
+first token it fails with UNAVAILABLE (the client sees an error event, never a hang)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2 as hpb
+from grpc_health.v1 import health_pb2_grpc as hpb_grpc
+
+from services.common import pb
+from services.gateway.engine_client import EngineClient, RequestHandle
+from services.gateway.errors import ApiError
+from services.gateway.router import ReplicaLoad, Router
+
+log = logging.getLogger("meshllm.gateway.pool")
+
+READY = "READY"
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    replica_id: str
+    address: str
+    state: str = READY        # the supervisor's state name (STARTING, READY, DRAINING, ...)
+    reason: str = ""
+
+
+class Replica:
+    def __init__(self, spec: ReplicaSpec, client: EngineClient) -> None:
+        self.spec, self.client = spec, client
+        self.serving = False                  # the scheduler's readiness, last poll
+        self.was_routable = False
+        self._health = hpb_grpc.HealthStub(client._channel)
+
+    @property
+    def routable(self) -> bool:
+        c = self.client
+        return self.spec.state == READY and self.serving and c.connected and c.info is not None
+
+    def describe(self) -> str:
+        why = (self.spec.state if self.spec.state != READY else
+               "not connected" if not self.client.connected else
+               "not ready" if not self.serving else "ready")
+        return f"{self.spec.replica_id}={why}"
+
+    async def poll_health(self, timeout_s: float) -> bool:
+        try:
+            resp = await self._health.Check(hpb.HealthCheckRequest(service="scheduler"),
+                                            timeout=timeout_s)
+            self.serving = resp.status == hpb.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            self.serving = False
+        return self.serving
+
+
+class EnginePool:
+    def __init__(self, tokenizer, router: Router, *, max_inflight_requests: int = 4096,
+                 max_attempts: int = 3, health_interval_s: float = 0.5,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.tokenizer, self.router = tokenizer, router
+        self._credentials = credentials             # internal mTLS, None: plain channels
+        self.max_inflight_requests = max_inflight_requests
+        self.max_attempts = max_attempts
+        self.health_interval_s = health_interval_s
+        self._replicas: dict[str, Replica] = {}   # address -> replica (addresses are stable)
+        self._started = False
+        self._health_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self.retries = 0                            # requests moved before their first token
+        self.routed: dict[str, int] = {}            # route reason -> count
+
+    # --- membership ----------------------------------------------------------------------
+
+    def set_replicas(self, specs: Sequence[ReplicaSpec]) -> None:
+        wanted = {s.address: s for s in specs}
+        for addr in [a for a in self._replicas if a not in wanted]:
+            replica = self._replicas.pop(addr)
+            self.router.forget_replica(replica.spec.replica_id)
+            log.warning("engine replica %s (%s) left the set", replica.spec.replica_id, addr)
+            self._spawn(replica.client.close(f"engine replica {replica.spec.replica_id} "
+                                             "left the replica set"))
+        for addr, spec in wanted.items():
+            replica = self._replicas.get(addr)
+            if replica is None:
+                client = EngineClient(addr, self.tokenizer, self.max_inflight_requests,
+                                      replica_id=spec.replica_id,
+                                      credentials=self._credentials)
+                client.on_lost_before_first_token = self._retry
+                replica = self._replicas[addr] = Replica(spec, client)
+                if self._started:
+                    client.start()
+                log.info("engine replica %s at %s joined (%s)", spec.replica_id, addr, spec.state)
+                continue
+            if replica.spec != spec:
+                if spec.state != replica.spec.state:
+                    log.info("engine replica %s: %s -> %s %s", spec.replica_id,
+                             replica.spec.state, spec.state, spec.reason)
+                if spec.state in ("RESTARTING", "DEAD", "STARTING"):
+                    self.router.forget_replica(spec.replica_id)  # its KV cache is gone
+                replica.spec = spec
+                replica.client.replica_id = spec.replica_id
+
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def describe(self) -> str:
+        return ", ".join(r.describe() for r in self._replicas.values()) or "none configured"
+
+    # --- what the Gateway reads ----------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """At least one replica takes new requests."""
+        return any(r.routable for r in self._replicas.values())
+
+    @property
+    def info(self) -> "pb.engine.EngineInfo | None":
+        """The engine's limits (every replica serves the same model with the same flags)."""
+        infos = [r.client.info for r in self._replicas.values() if r.client.info is not None]
+        routable = [r.client.info for r in self._replicas.values() if r.routable]
+        return (routable or infos or [None])[0]
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(r.client.num_inflight for r in self._replicas.values())
+
+    # --- requests ------------------------------------------------------------------------
+
+    def _routable_loads(self) -> tuple[dict[str, Replica], list[ReplicaLoad]]:
+        by_id = {r.spec.replica_id: r for r in self._replicas.values() if r.routable}
+        return by_id, [ReplicaLoad(rid, r.client.outstanding_tokens) for rid, r in by_id.items()]
+
+    def submit(self, request_id: str, prompt_ids: Sequence[int],
+               sampling: "pb.common.SamplingParams", *, cache_salt: str = "",
+               priority: int = 0) -> RequestHandle:
+        tried: list[str] = []
+        while True:
+            by_id, loads = self._routable_loads()
+            decision = self.router.choose(loads, prompt_ids, exclude=tried)
+            if decision is None:
+                raise ApiError("unavailable", "no engine replica is ready to take requests "
+                               f"({self.describe()}); try again shortly")
+            try:
+                handle = by_id[decision.replica_id].client.submit(
+                    request_id, prompt_ids, sampling, cache_salt=cache_salt, priority=priority)
+            except ApiError as err:
+                if err.kind != "unavailable":
+                    raise
+                tried.append(decision.replica_id)
+                continue
+            self.routed[decision.reason] = self.routed.get(decision.reason, 0) + 1
+            return handle
+
+    def _retry(self, handle: RequestHandle) -> bool:
+        """A replica failed `handle` before its first token: try it on another one."""
+        if len(handle.tried) >= self.max_attempts:
+            return False
+        by_id, loads = self._routable_loads()
+        decision = self.router.choose(loads, handle._submit.prompt_token_ids,
+                                      exclude=handle.tried)
+        if decision is None or not by_id[decision.replica_id].client.adopt(handle):
+            log.warning("request %s: replica %s failed it before its first token and no "
+                        "other replica can take it", handle.request_id, handle.tried[-1])
+            return False
+        self.retries += 1
+        log.warning("request %s: replica %s failed it before its first token; resubmitted "
+                    "to %s", handle.request_id, handle.tried[-2], decision.replica_id)
+        return True
+
+    def fail_all(self, message: str) -> None:
+        for r in self._replicas.values():
+            r.client.fail_all(message)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._started = True
+        for r in self._replicas.values():
+            r.client.start()
+        self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await asyncio.gather(*(r.client.close() for r in self._replicas.values()),
+                             *self._background, return_exceptions=True)
+
+    async def poll_health(self) -> None:
+        replicas = list(self._replicas.values())
+        await asyncio.gather(*(r.poll_health(max(self.health_interval_s, 1.0))
+                               for r in replicas))
+        for r in replicas:
+            if r.was_routable != r.routable:
+                r.was_routable = r.routable
+                log.info("engine replica %s is %s", r.spec.replica_id,
+                         "routable" if r.routable else f"not routable ({r.describe()})")
+                if not r.routable and self.connected:
+                    moved = r.client.move_unstarted()
+                    if moved:
+                        log.warning("moved %d requests without a first token off %s", moved,
+                                    r.spec.replica_id)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.poll_health()
+            await asyncio.sleep(self.health_interval_s)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

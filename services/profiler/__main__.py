@@ -1,0 +1,3 @@
+from services.profiler.main import main
+
+raise SystemExit(main())

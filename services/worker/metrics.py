@@ -1,0 +1,36 @@
+"""The worker's Prometheus metrics: one update per step (never per token), from the
+engine thread; labels `model_name` and `engine` like the scheduler's."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from services.common.metrics import PREFIX, STEP_LATENCY_BUCKETS
+
+_LABELS = ["model_name", "engine"]
+
+STEPS = Counter(PREFIX + "worker_steps_total", "StepPlans executed", _LABELS)
+STEP_ERRORS = Counter(PREFIX + "worker_step_errors_total", "StepPlans that failed (their requests fail)",
+                      _LABELS)
+FORWARD = Histogram(PREFIX + "worker_step_duration_seconds",
+                    "time the worker spent executing one StepPlan (forward pass and sampling)",
+                    _LABELS, buckets=STEP_LATENCY_BUCKETS)
+TOKENS = Counter(PREFIX + "worker_scheduled_tokens_total", "tokens computed (prompt and decode)", _LABELS)
+SAMPLED = Counter(PREFIX + "worker_sampled_tokens_total", "tokens sampled", _LABELS)
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str, engine_id: str) -> None:
+        labels = (model_name, engine_id)
+        self.steps, self.errors = STEPS.labels(*labels), STEP_ERRORS.labels(*labels)
+        self.forward, self.tokens, self.sampled = (FORWARD.labels(*labels), TOKENS.labels(*labels),
+                                                   SAMPLED.labels(*labels))
+
+    def on_step(self, forward_ns: int, num_tokens: int, num_sampled: int, failed: bool) -> None:
+        self.steps.inc()
+        self.forward.observe(forward_ns / 1e9)
+        if num_tokens:
+            self.tokens.inc(num_tokens)
+        if num_sampled:
+            self.sampled.inc(num_sampled)
+        if failed:
+            self.errors.inc()

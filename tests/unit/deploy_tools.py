@@ -1,0 +1,118 @@
+"""What the deploy/ tests need from outside the venv, installed on first use, and the loaders
+they share (compose, Envoy, Kubernetes). A tool that cannot be had fails the test: these
+checks are the only ones deploy/ gets, since no container engine runs here.
+
+- docker-compose: Debian's package (`apt-get install docker-compose`, about 16 s measured
+  here with `apt-get update`), installed when missing and running as root (CI is);
+  otherwise the test fails and says how to install it.
+- xds-protos (Envoy's v3 API as Python descriptors): pinned in requirements-deploy-test.txt,
+  installed with `pip --target` into its own folder (about 2 s): it ships its own
+  `opentelemetry.proto` and `google.*` modules, which must not overwrite the venv's.
+- kubectl (its built-in kustomize renders deploy/k8s): on this machine image already.
+- kubernetes-validate (the Kubernetes JSON schemas): requirements-test.txt, in the venv.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE_DIR = DEPLOY / "compose"
+ENVOY_DIR = COMPOSE_DIR / "envoy"
+K8S_DIR = DEPLOY / "k8s"
+XDS_REQUIREMENTS = ROOT / "requirements-deploy-test.txt"
+K8S_VERSION = "1.37.0"  # the Kubernetes release whose schemas the manifests must satisfy
+
+
+def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def docker_compose() -> str:
+    """Path of docker-compose, installing Debian's package when missing (root only)."""
+    found = shutil.which("docker-compose")
+    if found:
+        return found
+    if os.geteuid() != 0:
+        pytest.fail("docker-compose is not installed and this is not root: "
+                    "run `sudo apt-get install -y docker-compose`")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "docker-compose"]):
+        r = _run(cmd, timeout=600, env=env)
+        if r.returncode != 0:
+            pytest.fail(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr[-2000:]}")
+    found = shutil.which("docker-compose")
+    if not found:
+        pytest.fail("apt-get installed docker-compose but it is not on PATH")
+    return found
+
+
+def _xds_pin() -> str:
+    for line in XDS_REQUIREMENTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("xds-protos=="):
+            return line
+    raise AssertionError(f"{XDS_REQUIREMENTS} pins no xds-protos version")
+
+
+def xds_protos_dir() -> pathlib.Path:
+    """A folder holding exactly the pinned xds-protos (for PYTHONPATH), installed if missing."""
+    pin = _xds_pin()
+    base = ROOT / ".venv" if (ROOT / ".venv").is_dir() else pathlib.Path.home() / ".cache" / "meshllm"
+    target = base / "deploy-tools" / pin.replace("==", "-")
+    marker = target / ".installed"
+    if not marker.exists():
+        shutil.rmtree(target, ignore_errors=True)
+        r = _run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                  "--target", str(target), pin], timeout=600)
+        if r.returncode != 0:
+            pytest.fail(f"pip could not install {pin}: {r.stderr[-2000:]}")
+        marker.write_text(pin + "\n")
+    return target
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    if not found:
+        pytest.fail("kubectl (for `kubectl kustomize`) is not installed; it comes with this machine "
+                    "image: install kubectl >= 1.27 to render deploy/k8s")
+    return found
+
+
+def kustomize(overlay: pathlib.Path) -> list[dict]:
+    """The rendered documents of a kustomization (real kustomize, built into kubectl)."""
+    r = _run([kubectl(), "kustomize", str(overlay)], timeout=120)
+    assert r.returncode == 0, f"kustomize {overlay} failed: {r.stderr}"
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def compose_config(*files: str) -> dict:
+    """`docker-compose config` of the given files (relative to deploy/compose), parsed."""
+    cmd = [docker_compose()]
+    for f in files:
+        cmd += ["-f", str(COMPOSE_DIR / f)]
+    r = _run([*cmd, "config"], timeout=120, cwd=COMPOSE_DIR)
+    assert r.returncode == 0, f"docker-compose config {files} failed:\n{r.stderr}"
+    return yaml.safe_load(r.stdout)
+
+
+def envoy_configs() -> dict[str, dict]:
+    """identity -> its sidecar's bootstrap (as YAML data)."""
+    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted(ENVOY_DIR.glob("*.yaml"))}
+
+
+def envoy_generator():
+    """deploy/compose/envoy/generate.py as a module (the topology the configs are built from)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("meshllm_envoy_generate", ENVOY_DIR / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
