@@ -158,8 +158,12 @@ class Mesh:
         from services.cli.internal_security import without_internal_tls_env
         env = {**without_internal_tls_env(dict(os.environ)), **self._child_env(name),
                "MESHLLM_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        # Its own process group: Ctrl-C in a terminal signals the whole foreground group, and
+        # the supervisor must get one orderly SIGTERM from us, not SIGINT and SIGTERM at once
+        # (a second signal means "exit now").
         self.procs[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], env=env,
-                                            preexec_fn=die_with_parent, stdin=subprocess.DEVNULL)
+                                            preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
+                                            process_group=0)
 
     def _tracing_env(self) -> dict[str, str]:
         # Every service (present and future) reads the standard OTEL_* variables in
@@ -171,13 +175,19 @@ class Mesh:
             env["OTEL_TRACES_SAMPLER_ARG"] = repr(float(self.cfg.trace_sampling_ratio))
         return env
 
+    def _worker_device(self, dp_rank: int) -> str:
+        """Data-parallel replica d gets its own GPUs: cuda:(d*T) .. cuda:(d*T + T - 1) for
+        --tensor-parallel-size T (its worker's rank r runs on cuda:(d*T + r))."""
+        c = self.cfg
+        return c.device if c.device != "cuda" or dp_rank == 0 else f"cuda:{dp_rank * c.tensor_parallel_size}"
+
     def _engine_replica(self, e: EnginePorts) -> "pb.supervisor.ReplicaSpec":
         c = self.cfg
         suffix = f"-{e.rank}" if e.rank else ""
         engine_args = ["--max-model-len", str(c.max_model_len)]
         worker = self._process("worker", [
             "--model", c.model_dir, "--zmq-addr", e.worker_addr, "--host", "127.0.0.1",
-            "--grpc-port", str(e.worker_grpc_port), "--device", c.device, "--dtype", c.dtype,
+            "--grpc-port", str(e.worker_grpc_port), "--device", self._worker_device(e.rank), "--dtype", c.dtype,
             "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
             *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
             "--served-model-name", c.served_model_name, *engine_args,

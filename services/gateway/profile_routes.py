@@ -23,7 +23,7 @@ from services.gateway.errors import ApiError
 from services.gateway.protocol import parse_body
 
 _ACTIVITIES = {"cpu": pb.control.PROFILE_ACTIVITY_CPU, "cuda": pb.control.PROFILE_ACTIVITY_CUDA}
-_STATUS_TIMEOUT_S = 5.0
+_CALL_TIMEOUT_S = 10.0   # Start fans out to workers and services (2 s limit each) in two rounds
 
 
 class ProfileStartBody(BaseModel):
@@ -73,7 +73,7 @@ def add_profile_routes(app: FastAPI, profiler_addr: str, credentials=None, max_b
 
     async def call(method: str, request) -> JSONResponse:
         try:
-            reply = await getattr(client.stub(), method)(request, timeout=_STATUS_TIMEOUT_S)
+            reply = await getattr(client.stub(), method)(request, timeout=_CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise _from_grpc(exc) from None
         return JSONResponse(_to_json(reply))

@@ -94,16 +94,22 @@ class ProfilerControlServicer(pb.control_grpc.ProfilerControlServicer):
         wreq = C.StartProfileRequest(capture_id=capture_id, activities=request.activities,
                                      output_dir=cap.artifact_dir, record_shapes=request.record_shapes)
         wreq.bounds.max_steps, wreq.bounds.max_seconds = max_steps, max_seconds
-        await asyncio.gather(*(self._start_worker(t, wreq) for t in cap.targets))
-        if not any(t.started for t in cap.targets):
-            cap.ended, cap.finished = time.monotonic(), True
+        try:
+            await asyncio.gather(*(self._start_worker(t, wreq) for t in cap.targets))
+            if ratio is not None and any(t.started for t in cap.targets):
+                await self._set_sampling(cap, ratio)
+        finally:
+            # Even when the caller goes away mid-way, whatever started is watched (bounded,
+            # sampling restored) and the slot is released.
+            if any(t.started for t in cap.targets):
+                task = asyncio.create_task(self._watch(cap), name=f"capture-{capture_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                cap.ended, cap.finished = time.monotonic(), True
+        if cap.finished:
             reasons = "; ".join(f"{t.name}: {t.error}" for t in cap.targets)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no worker started the capture ({reasons})")
-        if ratio is not None:
-            cap.sampling = await self._set_sampling(ratio)
-        task = asyncio.create_task(self._watch(cap), name=f"capture-{capture_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         log.info("capture %s started on %s: max_steps %d max_seconds %.1f sampling %s", capture_id,
                  [t.name for t in cap.targets if t.started], max_steps, max_seconds,
                  "unchanged" if ratio is None else f"{ratio:g}")
@@ -159,7 +165,9 @@ class ProfilerControlServicer(pb.control_grpc.ProfilerControlServicer):
                                            error="the worker no longer knows this capture (restarted?)")
         t.worker, t.error = status, ""
 
-    async def _set_sampling(self, ratio: float) -> list:
+    async def _set_sampling(self, cap: Capture, ratio: float) -> None:
+        """Each change is recorded as soon as it is made, so it is restored even if this
+        call is cancelled half way."""
         async def one(name, addr, stub, md):
             change = C.SamplingChange(service=name, address=addr, ratio=ratio)
             try:
@@ -169,8 +177,8 @@ class ProfilerControlServicer(pb.control_grpc.ProfilerControlServicer):
             except grpc.aio.AioRpcError as exc:
                 change.error = _rpc_error(exc)
                 log.warning("could not change the sampling of %s: %s", name, change.error)
-            return change
-        return list(await asyncio.gather(*(one(*s) for s in self._services)))
+            cap.sampling.append(change)
+        await asyncio.gather(*(one(*s) for s in self._services))
 
     async def _restore_sampling(self, cap: Capture) -> None:
         by_name = {s[0]: s for s in self._services}

@@ -85,8 +85,11 @@ class Supervisor:
         r.procs = []
         for p in r.spec.processes:
             env = {**env_base, **dict(p.env)}
+            # Own process group: a terminal's Ctrl-C reaches only the launcher, which stops
+            # the supervisor, which stops these in order (gateway first).
             r.procs.append(subprocess.Popen([sys.executable, "-m", f"services.{p.module}", *p.args], env=env,
-                                            preexec_fn=die_with_parent, stdin=subprocess.DEVNULL))
+                                            preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
+                                            process_group=0))
         r.machine.started(time.monotonic())
         log.info("started %s: pids %s", r.spec.id, [p.pid for p in r.procs])
 
@@ -109,6 +112,7 @@ class Supervisor:
             procs = [p for r in group for p in reversed(r.procs) if p.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)   # a stopped (SIGSTOP) child acts on it now
             deadline = time.monotonic() + self.cfg.stop_grace_s
             for p in procs:
                 try:

@@ -34,7 +34,7 @@ class WorkerConfig:
     profile_dir: str = ""              # root of profiler traces (WorkerControl); "": refused
     internal_tls: InternalTls = field(default_factory=InternalTls)      # mTLS on the health port
     zmq_curve: CurveServerKeys = field(default_factory=CurveServerKeys)  # CURVE on the ROUTER
-    tensor_parallel_size: int = 1      # ranks (processes) of this worker; rank r uses cuda:r
+    tensor_parallel_size: int = 1      # ranks (processes) of this worker; rank r uses cuda:K+r
     tp_rank: int = 0                   # set by rank 0 for the ranks it starts (tp_ranks.py)
     tp_init_method: str = ""           # torch.distributed rendezvous, set by rank 0 likewise
     engine_id: str = "0"               # the `engine` label of this worker's metrics
@@ -68,9 +68,8 @@ class WorkerConfig:
         if self.tensor_parallel_size > 1:
             if self.simulate:
                 raise ValueError("--tensor-parallel-size applies to the real worker, not --simulate")
-            if self.device not in ("cpu", "cuda"):
-                raise ValueError("with --tensor-parallel-size > 1 pass --device cuda (rank r runs on "
-                                 "cuda:r; choose the GPUs with CUDA_VISIBLE_DEVICES) or cpu")
+            if self.device.startswith("cuda:") and not self.device[5:].isdigit():
+                raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 <= self.tp_rank < self.tensor_parallel_size:
             raise ValueError(f"tp rank {self.tp_rank} outside [0, {self.tensor_parallel_size})")
         if self.tp_rank and not self.tp_init_method.startswith("tcp://"):
@@ -97,8 +96,13 @@ class WorkerConfig:
         return self.num_threads or max(1, len(os.sched_getaffinity(0)) // self.tensor_parallel_size)
 
     @property
+    def first_gpu(self) -> int:
+        """K of --device cuda:K (0 for plain cuda): tensor-parallel rank r runs on cuda:K+r."""
+        return int(self.device[5:]) if self.device.startswith("cuda:") else 0
+
+    @property
     def rank_device(self) -> str:
-        """This rank's device: rank r of a tensor-parallel CUDA worker runs on cuda:r."""
-        if self.tensor_parallel_size > 1 and self.device == "cuda":
-            return f"cuda:{self.tp_rank}"
+        """This rank's device: rank r of a tensor-parallel CUDA worker runs on cuda:(K + r)."""
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda"):
+            return f"cuda:{self.first_gpu + self.tp_rank}"
         return self.device

@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                             kv_cache_memory_gb=a.kv_cache_memory_gb, num_kv_blocks=a.num_kv_blocks,
                             block_size=a.block_size, served_model_name=a.served_model_name,
                             num_threads=a.num_threads, enforce_eager=a.enforce_eager, simulate=a.simulate,
-                            simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms, profile_dir=a.profile_dir,
-                            tensor_parallel_size=a.tensor_parallel_size, tp_rank=a.tp_rank,
+                            simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms,
+                            profile_dir=a.profile_dir, tensor_parallel_size=a.tensor_parallel_size, tp_rank=a.tp_rank,
                             tp_init_method=a.tp_init_method, internal_tls=internal_tls.from_args(a),
                             zmq_curve=CurveServerKeys(a.zmq_curve_secret_key, a.zmq_curve_clients),
                             engine_id=a.engine_id, metrics_port=a.metrics_port)

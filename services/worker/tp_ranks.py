@@ -123,11 +123,11 @@ class TpLink:
 def preflight(cfg: WorkerConfig) -> None:
     """Clear errors before any rank starts: the split must be even and the GPUs must exist."""
     check_tp_size(load_model_config(cfg.model), cfg.tensor_parallel_size)
-    if cfg.device == "cuda":
-        have = torch.cuda.device_count()
-        if have < cfg.tensor_parallel_size:
-            raise ModelConfigError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs that many GPUs, "
-                                   f"{have} visible")
+    if cfg.device.startswith("cuda"):
+        need, have = cfg.first_gpu + cfg.tensor_parallel_size, torch.cuda.device_count()
+        if have < need:
+            raise ModelConfigError(f"--tensor-parallel-size {cfg.tensor_parallel_size} on --device {cfg.device} "
+                                   f"needs GPUs up to cuda:{need - 1}, {have} visible")
 
 
 def _rank_args(cfg: WorkerConfig, rank: int) -> list[str]:

@@ -36,6 +36,9 @@ def test_gpu_capture_records_steps_and_cuda_kernels(tmp_path):
     assert done.steps_captured == 5 and done.stop_reason == "max_steps"
     with open(done.trace_path) as f:
         events = json.load(f)["traceEvents"]
-    assert sum(e.get("name") == STEP_RANGE for e in events) == 5
+    steps = [e for e in events if e.get("name") == STEP_RANGE]
+    # Each step range appears on the CPU timeline and, projected, on the GPU's.
+    assert sum(e.get("cat") == "user_annotation" for e in steps) == 5
+    assert sum(e.get("cat") == "gpu_user_annotation" for e in steps) == 5
     kernels = [e for e in events if e.get("cat") == "kernel"]
     assert len(kernels) >= 5, sorted({e.get("cat") for e in events})

@@ -152,7 +152,8 @@ def test_capture_under_streaming_load_writes_a_chrome_trace_of_worker_steps(pmes
     assert path == worker["trace_path"] and path.startswith(pmesh.profile_dir + os.sep)
     with open(path) as f:
         trace = json.load(f)
-    steps = [e for e in trace["traceEvents"] if e.get("name") == "meshllm.step" and e.get("ph") == "X"]
+    steps = [e for e in trace["traceEvents"] if e.get("name") == "meshllm.step" and e.get("ph") == "X"
+             and e.get("cat") == "user_annotation"]
     assert len(steps) == worker["steps_captured"] >= 3
     # The steps ran the model: torch ops appear inside them.
     assert any(e.get("cat") == "cpu_op" and e.get("name", "").startswith("aten::") for e in trace["traceEvents"])

@@ -3,6 +3,9 @@ override), and the mesh has the shape docs/deploy.md promises: one sidecar per s
 the gateway's sidecar published, a health check on every container."""
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 
 from tests.unit.deploy_tools import compose_config, envoy_generator
@@ -101,3 +104,76 @@ def test_the_observability_stack_is_wired(base):
     assert "prometheus.yml" in prom_mounts and "mesh-certs" in prom_mounts
     grafana_mounts = " ".join(str(v) for v in s["grafana"]["volumes"])
     assert "provisioning" in grafana_mounts and "dashboards" in grafana_mounts
+
+
+def test_the_certs_job_makes_every_file_the_sidecars_and_prometheus_read(base, tmp_path):
+    """Run the `certs` job's own script here (its image paths mapped to a temporary folder),
+    twice: every certificate file an Envoy config or prometheus.yml names exists, each
+    identity's certificate names it, and the CA key is kept out of the shared volume."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from cryptography import x509
+
+    from tests.unit.deploy_tools import COMPOSE_DIR, ENVOY_DIR, ROOT
+
+    job = base["services"]["certs"]
+    assert job["entrypoint"] == ["sh", "-c"]
+    script = job["command"][0].replace("/var/lib/meshllm", str(tmp_path))
+    for sub in ("certs", "ca", "public-tls"):
+        (tmp_path / sub).mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for _ in range(2):
+        r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "certs" / "ca.key").exists() and (tmp_path / "ca" / "ca.key").exists()
+    mounts = {"/etc/meshllm/certs": tmp_path / "certs", "/etc/meshllm/public-tls": tmp_path / "public-tls"}
+    named = []
+    for path in [*ENVOY_DIR.glob("*.yaml"), COMPOSE_DIR / "prometheus.yml"]:
+        named += re.findall(r"(/etc/meshllm/[a-z-]+)/([\w.-]+)", path.read_text())
+    assert len(named) > 20
+    for folder, name in set(named):
+        assert (mounts[folder] / name).is_file(), f"{folder}/{name} is not made by the certs job"
+    for identity in envoy_generator().APP_PORTS:
+        cert = x509.load_pem_x509_certificate((tmp_path / "certs" / f"{identity}.pem").read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert identity in sans.get_values_for_type(x509.DNSName)
+    # the sidecars and Prometheus mount the volume where the configs look for it
+    for name, svc in base["services"].items():
+        if name.endswith("-envoy") or name == "prometheus":
+            targets = {v.split(":")[1] if isinstance(v, str) else v["target"] for v in svc["volumes"]}
+            assert "/etc/meshllm/certs" in targets, name
+    assert yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]
+
+
+def test_collector_grafana_and_prometheus_configs_point_at_the_compose_services(base):
+    """The observability configs name services, ports and paths compose really has."""
+    import json
+
+    import yaml
+
+    from tests.unit.deploy_tools import COMPOSE_DIR, DEPLOY
+
+    services = base["services"]
+    col = yaml.safe_load((COMPOSE_DIR / "otel-collector.yaml").read_text())
+    for name, pipe in col["service"]["pipelines"].items():
+        for kind in ("receivers", "processors", "exporters"):
+            assert set(pipe[kind]) <= set(col[kind]), (name, kind)
+    assert col["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(f":{envoy_generator().OTLP_PORT}")
+    host = col["exporters"]["otlp/jaeger"]["endpoint"].split(":")[0]
+    assert host in services
+    sources = yaml.safe_load((COMPOSE_DIR / "grafana/provisioning/datasources/meshllm.yaml").read_text())
+    by_type = {d["type"]: d for d in sources["datasources"]}
+    assert by_type["prometheus"]["url"] == "http://prometheus:9090" and by_type["prometheus"]["isDefault"]
+    assert by_type["jaeger"]["url"].split("//")[1].split(":")[0] in services
+    provider = yaml.safe_load((COMPOSE_DIR / "grafana/provisioning/dashboards/meshllm.yaml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"] if isinstance(v, str)}
+    assert pathlib.Path(mounts[path]) == DEPLOY / "grafana" / "dashboards"
+    dashboards = list((DEPLOY / "grafana" / "dashboards").glob("*.json"))
+    assert dashboards
+    for d in dashboards:
+        variables = {v["name"]: v for v in json.loads(d.read_text())["templating"]["list"]}
+        assert variables["datasource"]["query"] == "prometheus"  # resolves to the provisioned source

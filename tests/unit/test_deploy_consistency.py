@@ -6,6 +6,7 @@ is not made on the other fails here."""
 from __future__ import annotations
 
 import importlib
+import logging
 import pathlib
 import re
 
@@ -51,12 +52,17 @@ def parse_service(module: str, argv: list[str], local_paths: dict[str, str]):
         args.append(a)
     rest, _tracing = telemetry.split_tracing_args(module, args)
     main = importlib.import_module(f"services.{module}.main")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level  # some parsers set up the service's logging: undo it
     try:
         if hasattr(main, "parse_args"):
             return main.parse_args(rest)
         return main._parser().parse_args(rest)  # the tokenizer builds its config in main()
     except SystemExit as exc:
         pytest.fail(f"{module} refuses its deployed flags {argv}: exit {exc.code} (see stderr)")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
 
 
 def grpc_port(module: str, cfg) -> int:
@@ -389,3 +395,24 @@ def test_the_model_paths_deploy_uses_are_the_ones_the_images_prepare(smollm2_dir
     assert {f"/opt/meshllm/models/{MODELS[k].name}" for k in ("smollm2", "minilm")} == {
         p for p in IMAGE_PATHS if p.startswith("/opt/meshllm/models/")}
     assert smollm2_dir.name == MODELS["smollm2"].name and minilm_dir.name == MODELS["minilm"].name
+
+
+def test_the_gateway_reaches_the_supervisors_engine_and_not_the_supervisor_itself():
+    """engine-1 shares the supervisor's sidecar: the gateway's egress names it by authority,
+    and the supervisor's sidecar sends that authority (health checks included) to its scheduler."""
+    gen = envoy_generator()
+    configs = envoy_configs()
+    gw = next(lst for lst in configs["gateway"]["static_resources"]["listeners"]
+              if lst["address"]["socket_address"]["port_value"] == gen.SUPERVISED_ENGINE_PORT)
+    hcm = gw["filter_chains"][0]["filters"][0]["typed_config"]
+    authorities = {r["route"]["host_rewrite_literal"] for vh in hcm["route_config"]["virtual_hosts"]
+                   for r in vh["routes"]}
+    assert len(authorities) == 1
+    sup = next(lst for lst in configs["supervisor"]["static_resources"]["listeners"] if lst["name"] == "mesh_ingress")
+    vhosts = sup["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"]
+    vh = next(v for v in vhosts if v["domains"] == sorted(authorities))
+    cluster = vh["routes"][0]["route"]["cluster"]
+    ports = {e["endpoint"]["address"]["socket_address"]["port_value"]
+             for c in configs["supervisor"]["static_resources"]["clusters"] if c["name"] == cluster
+             for g in c["load_assignment"]["endpoints"] for e in g["lb_endpoints"]}
+    assert ports == {gen.SUPERVISED_ENGINE_PORT}

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from tests.unit.deploy_tools import ENVOY_DIR, ROOT, envoy_configs, envoy_generator, xds_protos_dir
@@ -68,7 +67,7 @@ def test_the_schema_check_rejects_broken_configs(tmp_path):
         "bad_enum": lambda b: next(_hcms(b))[1].update(codec_type="HTTP9"),
         "empty_cluster_name": lambda b: b["static_resources"]["clusters"][0].update(name=""),
     }
-    assert hcm["codec_type"] == "HTTP2"
+    assert hcm["codec_type"] == "AUTO"
     paths = []
     for name, breakage in breakages.items():
         broken = copy.deepcopy(boot)

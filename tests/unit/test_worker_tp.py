@@ -51,11 +51,14 @@ def test_worker_config_places_ranks_and_rejects_bad_tp_flags(tmp_path):
     cfg = WorkerConfig(model=str(tmp_path), zmq_addr="ipc:///tmp/x", device="cuda", tensor_parallel_size=2,
                        tp_rank=1, tp_init_method="tcp://127.0.0.1:1234")
     assert cfg.rank_device == "cuda:1"
+    second = WorkerConfig(model=str(tmp_path), zmq_addr="ipc:///tmp/x", device="cuda:2", tensor_parallel_size=2,
+                          tp_rank=1, tp_init_method="tcp://127.0.0.1:1234")
+    assert second.rank_device == "cuda:3"  # a data-parallel replica's ranks start at its first GPU
     cpu = WorkerConfig(model=str(tmp_path), zmq_addr="ipc:///tmp/x", tensor_parallel_size=2, num_threads=0)
     assert cpu.rank_device == "cpu" and cpu.threads >= 1
     for bad, match in [(dict(tensor_parallel_size=0), "tensor-parallel-size"),
                        (dict(tensor_parallel_size=2, simulate=True), "not --simulate"),
-                       (dict(tensor_parallel_size=2, device="cuda:1"), "--device cuda"),
+                       (dict(tensor_parallel_size=2, device="cuda:x"), "cuda:N"),
                        (dict(tensor_parallel_size=2, tp_rank=2), "outside"),
                        (dict(tensor_parallel_size=2, tp_rank=1), "init method")]:
         with pytest.raises(ValueError, match=match):

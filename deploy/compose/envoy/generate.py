@@ -12,18 +12,23 @@ Layout of every sidecar (it shares the network namespace of its service's contai
                      service's default --*-addr flags (127.0.0.1:50052, ...) are right as is.
   0.0.0.0:15443      ingress ("mesh port"): mTLS, HTTP/2. gRPC goes to the local service,
                      /metrics to its Prometheus listener, /stats/prometheus to Envoy's own.
-                     RBAC admits only the certificate identities named in PEERS.
+                     RBAC admits only the certificate identities in the sidecar's `peers`
+                     (Prometheus only for the metrics paths).
   0.0.0.0:15556      worker only: the scheduler <-> worker ZMQ link as TLS-wrapped TCP.
   0.0.0.0:8443       gateway only: the public listener (TLS; HTTP/1.1 + HTTP/2; OpenAI HTTP
                      and gRPC on one port, split by content-type).
+  127.0.0.1:4317     egress for OTLP traces, to the otel-collector.
   127.0.0.1:9901     admin (never reachable from outside the container).
+
+`python deploy/compose/envoy/generate.py` also writes deploy/compose/prometheus.yml, which
+scrapes the same mesh ports.
 """
 from __future__ import annotations
 
 import pathlib
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import yaml
 
@@ -344,13 +349,14 @@ def build(s: Sidecar) -> dict:
     listeners.append({
         "name": "mesh_ingress", "address": _addr("0.0.0.0", MESH_PORT),
         "per_connection_buffer_limit_bytes": 1048576,
-        "filter_chains": [{"filters": [_hcm("mesh_ingress", ingress_routes, codec="HTTP2", idle_s=0,
+        # AUTO: peers' sidecars speak HTTP/2; Prometheus scrapes over HTTP/1.1.
+        "filter_chains": [{"filters": [_hcm("mesh_ingress", ingress_routes, codec="AUTO", idle_s=0,
                                             http_filters=[_rbac_http(s.peers, s.extra_metrics)],
                                             extra_hosts=[{"name": f"local_{authority}", "domains": [authority],
                                                           "routes": [_stream_route({"prefix": "/"}, f"local_{port}",
                                                                                    bound_s=None)]}
                                                          for authority, port in s.local_hosts])],
-                           "transport_socket": _downstream_mtls(me, ["h2"])}]})
+                           "transport_socket": _downstream_mtls(me, ["h2", "http/1.1"])}]})
     clusters.append(_cluster("local_app", [("127.0.0.1", s.app_port)], dns=False,
                              options=_h2_options(keepalive=True), max_requests=8192))
     for _, port in s.local_hosts:
