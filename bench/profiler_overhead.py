@@ -127,6 +127,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "profiler_overhead.json"))
+    p.add_argument("--keep-traces", action="store_true", help="keep the (large) trace files")
     args = p.parse_args()
 
     import tempfile
@@ -146,10 +147,13 @@ def main() -> int:
         result = asyncio.run(bench(args, cfg.port))
     finally:
         mesh.stop()
+        if not args.keep_traces:
+            import shutil
+            shutil.rmtree(profile_dir, ignore_errors=True)
     result.update(config={"model_dir": model_dir, "device": args.device, "phase_s": args.phase_s,
                           "rounds": args.rounds, "concurrency": args.concurrency, "tokens": args.tokens},
                   machine={"cpus": os.cpu_count(), "python": platform.python_version()},
-                  profile_dir=profile_dir)
+                  profile_dir=profile_dir if args.keep_traces else "(removed)")
     print(f"{'phase':<10} {'tok/s':>8} {'requests':>9} {'errors':>7} {'stop_s':>7} {'steps':>6} {'trace MB':>9}")
     for ph in result["phases"]:
         print(f"{ph['kind']:<10} {ph['tokens_per_s']:8.1f} {ph['requests']:9d} {ph['errors']:7d} "

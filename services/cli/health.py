@@ -62,7 +62,8 @@ def check(cfg: HealthCheckConfig) -> tuple[bool, str]:
     return reply.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> HealthCheckConfig:
+    """Flags -> validated config (argparse exits with 2 on bad flags)."""
     p = argparse.ArgumentParser(prog="meshllm health", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--addr", required=True, help="the service's gRPC address, HOST:PORT")
@@ -76,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-server-name", default="", help="name expected in the server certificate")
     a = p.parse_args(argv)
     try:
-        cfg = HealthCheckConfig(addr=a.addr, service=a.service, timeout_s=a.timeout, tls=a.tls,
-                                ca_certs=a.tls_ca_certs, certfile=a.tls_certfile, keyfile=a.tls_keyfile,
-                                server_name=a.tls_server_name)
+        return HealthCheckConfig(addr=a.addr, service=a.service, timeout_s=a.timeout, tls=a.tls,
+                                 ca_certs=a.tls_ca_certs, certfile=a.tls_certfile, keyfile=a.tls_keyfile,
+                                 server_name=a.tls_server_name)
     except ValueError as exc:
         p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
     try:
         ok, seen = check(cfg)
     except OSError as exc:  # unreadable certificate files

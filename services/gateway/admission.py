@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 from services.gateway.errors import ApiError
 
-RETRY_AFTER_S = 1
-
 
 class Admission:
     def __init__(self, max_requests: int, max_tokens: int) -> None:

@@ -59,11 +59,6 @@ class StepProfiler:
         self.device = device
         self._lock = threading.Lock()
         self._cap: _Capture | None = None
-        # torch.profiler's first start in a process initialises Kineto (~1.5 s here); a
-        # throwaway capture on a helper thread pays that before the engine thread starts the
-        # real one, so no step waits on it. Started by the first request only.
-        self._warm = threading.Event()
-        self._warming = False
         # Read without the lock on the engine thread's hot path: a stale value costs at
         # most one unannotated step.
         self.active = False
@@ -92,10 +87,6 @@ class StepProfiler:
                                           f"cannot create {out}: {exc.strerror}") from None
             self._cap = _Capture(capture_id, activities, max_steps, max_seconds, str(out), req.record_shapes)
             self.active = True
-            if not self._warming:
-                self._warming = True
-                threading.Thread(target=self._warm_up, args=(activities,), name="profiler-warmup",
-                                 daemon=True).start()
             log.info("capture %s requested: max_steps %d max_seconds %.1f activities %s", capture_id,
                      max_steps, max_seconds, [pb.control.ProfileActivity.Name(a) for a in activities])
             return self._status_locked()
@@ -140,7 +131,9 @@ class StepProfiler:
                 else:
                     cap.thread.finish()
                 return
-            if cap.thread is None and self._warm.is_set():
+            if cap.thread is None:
+                # The capture thread starts the profiler (the first start in a process also
+                # initialises Kineto, ~1.5 s) while this thread goes on running steps.
                 cap.thread = _CaptureThread(self, cap)
                 cap.thread.start()
         elif cap.state == pb.control.CAPTURE_STATE_RUNNING:
@@ -179,21 +172,6 @@ class StepProfiler:
         if cap.thread is not None:
             cap.thread.finish()
             cap.thread.join(timeout_s)
-
-    def _warm_up(self, activities: list[int]) -> None:
-        import torch
-        kinds = [torch.profiler.ProfilerActivity.CPU]
-        if pb.control.PROFILE_ACTIVITY_CUDA in activities:
-            kinds.append(torch.profiler.ProfilerActivity.CUDA)
-        t0 = time.monotonic()
-        try:
-            with torch.profiler.profile(activities=kinds):
-                pass
-        except Exception as exc:  # noqa: BLE001 - the real start reports a real failure
-            log.warning("profiler warm-up failed: %s", exc)
-        finally:
-            self._warm.set()
-        log.info("torch.profiler initialised in %.1fs", time.monotonic() - t0)
 
     def _finish_empty(self, cap: _Capture) -> None:
         with self._lock:

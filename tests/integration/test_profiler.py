@@ -222,3 +222,35 @@ def test_profile_routes_need_the_admin_key_and_validate_input(pmesh):
         r = pmesh.http.post("/profile/start", json=body)
         assert r.status_code == status, (body, r.text)
     assert pmesh.http.post("/profile/start", content=b"{not json").status_code == 400
+
+
+def test_simulated_worker_refuses_captures_with_a_reason(smollm2_dir, tmp_path):
+    import re
+    import select
+    import subprocess
+    import sys
+
+    from services.common.procs import die_with_parent
+    cmd = [sys.executable, "-m", "services.worker", "--simulate", "--model", str(smollm2_dir),
+           "--zmq-addr", "tcp://127.0.0.1:0", "--grpc-port", "0", "--profile-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            preexec_fn=die_with_parent)
+    try:
+        line, deadline = "", time.monotonic() + 60
+        while "worker listening" not in line:
+            assert proc.poll() is None, f"worker exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "the simulated worker did not print its addresses"
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+        addr = re.search(r"grpc=(\S+)", line).group(1)
+        with grpc.insecure_channel(addr) as ch:
+            stub = pb.control_grpc.WorkerControlStub(ch)
+            req = C.StartProfileRequest(capture_id="sim", output_dir=str(tmp_path / "sim"))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.StartProfile(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "simulated worker" in err.value.details()
+            assert stub.ProfileStatus(C.ProfileStatusRequest(), timeout=10).state == C.CAPTURE_STATE_IDLE
+    finally:
+        proc.terminate()
+        proc.wait(30)

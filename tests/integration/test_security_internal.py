@@ -1,11 +1,12 @@
 """Internal hops locked down: `meshllm serve --internal-mtls DIR` (gRPC mTLS between services,
 CURVE on the scheduler <-> worker ZMQ link). A request still works end to end; a gRPC client
-without a certificate or with one from another CA is refused by every internal port; a ZMQ
-peer without the right key never gets a plan processed."""
+without a certificate, with one from another CA or an expired one is refused by every internal
+port; a ZMQ peer without the right key never gets a plan processed."""
 from __future__ import annotations
 
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from grpc_health.v1 import health_pb2 as hpb
 from grpc_health.v1 import health_pb2_grpc as hpb_grpc
 
 from services.common import pb
-from services.common.devca import issue, make_ca, write_dev_ca
+from services.common.devca import issue, load_or_make_ca, make_ca, write_dev_ca
 from services.common.procs import die_with_parent
 from tests.integration.meshproc import ROOT, alive, start_mesh
 from tests.worker_driver import MiniScheduler
@@ -41,6 +42,15 @@ def other_ca(tmp_path_factory):
     ca = make_ca("some other CA")
     ca.write(str(out), "ca")
     issue(ca, "client").write(str(out), "client")
+    return out
+
+
+@pytest.fixture(scope="module")
+def expired(certs, tmp_path_factory):
+    """A client certificate from the mesh CA that expired days ago."""
+    out = tmp_path_factory.mktemp("expired")
+    ca, _ = load_or_make_ca(str(certs))
+    issue(ca, "client", days=1, valid_from_days=-10).write(str(out), "client")
     return out
 
 
@@ -75,9 +85,9 @@ def test_a_request_works_end_to_end_over_mtls_and_curve(locked):
     assert requests.get(f"{locked.http_url}/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("service", ["tokenizer", "scheduler", "worker-health"])
-def test_internal_grpc_ports_refuse_clients_without_a_certificate_from_the_mesh_ca(
-        locked, certs, other_ca, service):
+@pytest.mark.parametrize("service", ["tokenizer", "scheduler", "worker-health", "profiler", "supervisor"])
+def test_internal_grpc_ports_refuse_clients_without_a_valid_certificate_from_the_mesh_ca(
+        locked, certs, other_ca, expired, service):
     addr = locked.services()[service]
     ca = _read(certs / "ca.pem")
     right = grpc.ssl_channel_credentials(ca, _read(certs / "client.key"), _read(certs / "client.pem"))
@@ -87,6 +97,8 @@ def test_internal_grpc_ports_refuse_clients_without_a_certificate_from_the_mesh_
         "tls without a client certificate": grpc.ssl_channel_credentials(ca),
         "certificate from another CA": grpc.ssl_channel_credentials(
             ca, _read(other_ca / "client.key"), _read(other_ca / "client.pem")),
+        "expired certificate from the mesh CA": grpc.ssl_channel_credentials(
+            ca, _read(expired / "client.key"), _read(expired / "client.pem")),
     }
     for why, creds in refused.items():
         with pytest.raises(grpc.RpcError) as info:
@@ -128,7 +140,7 @@ def test_zmq_peers_without_the_schedulers_key_get_nothing_from_the_mesh_worker(l
             assert _hello(sock) is None, f"the worker answered a peer with key {secret}"
             sock.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes sockets an assertion left open, never blocks
     test_a_request_works_end_to_end_over_mtls_and_curve(locked)  # the real scheduler still is served
 
 
@@ -143,13 +155,19 @@ def curve_worker(smollm2_dir, certs):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHLLM_INTERNAL_TLS_")}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                             env=env, preexec_fn=die_with_parent)
-    deadline, line = time.monotonic() + 60, ""
-    while "worker listening" not in line:
-        assert proc.poll() is None and time.monotonic() < deadline, "the worker did not start"
-        line = proc.stdout.readline()
-    yield re.search(r"zmq=(\S+)", line).group(1)
-    proc.terminate()
-    assert proc.wait(30) == 0
+    try:
+        deadline, line = time.monotonic() + 60, ""
+        while "worker listening" not in line:
+            assert proc.poll() is None and time.monotonic() < deadline, "the worker did not start"
+            if select.select([proc.stdout], [], [], 1.0)[0]:  # never block past the deadline
+                line = proc.stdout.readline()
+        yield re.search(r"zmq=(\S+)", line).group(1)
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
 
 
 def test_only_the_allowed_key_gets_a_plan_processed(curve_worker, certs, tmp_path):
@@ -181,4 +199,4 @@ def test_only_the_allowed_key_gets_a_plan_processed(curve_worker, certs, tmp_pat
         assert len(mini.run()["ok"]) == 2  # the allowed peer's plans were run, step after step
         sock.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes sockets an assertion left open, never blocks

@@ -13,6 +13,7 @@ checks are the only ones deploy/ gets, since no container engine runs here.
 """
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import shutil
@@ -86,21 +87,33 @@ def kubectl() -> str:
     return found
 
 
-def kustomize(overlay: pathlib.Path) -> list[dict]:
-    """The rendered documents of a kustomization (real kustomize, built into kubectl)."""
+@functools.lru_cache(maxsize=None)
+def _kustomize_text(overlay: pathlib.Path) -> str:
     r = _run([kubectl(), "kustomize", str(overlay)], timeout=120)
     assert r.returncode == 0, f"kustomize {overlay} failed: {r.stderr}"
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
+    return r.stdout
 
 
-def compose_config(*files: str) -> dict:
-    """`docker-compose config` of the given files (relative to deploy/compose), parsed."""
+def kustomize(overlay: pathlib.Path) -> list[dict]:
+    """The rendered documents of a kustomization (real kustomize, built into kubectl); rendered
+    once per test session, parsed afresh for each caller."""
+    return [d for d in yaml.safe_load_all(_kustomize_text(overlay)) if d]
+
+
+@functools.lru_cache(maxsize=None)
+def _compose_text(files: tuple[str, ...]) -> str:
     cmd = [docker_compose()]
     for f in files:
         cmd += ["-f", str(COMPOSE_DIR / f)]
     r = _run([*cmd, "config"], timeout=120, cwd=COMPOSE_DIR)
     assert r.returncode == 0, f"docker-compose config {files} failed:\n{r.stderr}"
-    return yaml.safe_load(r.stdout)
+    return r.stdout
+
+
+def compose_config(*files: str) -> dict:
+    """`docker-compose config` of the given files (relative to deploy/compose), parsed (run
+    once per test session)."""
+    return yaml.safe_load(_compose_text(tuple(files)))
 
 
 def envoy_configs() -> dict[str, dict]:
@@ -116,3 +129,16 @@ def envoy_generator():
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def probe_target(probe: dict) -> tuple[int, str]:
+    """(port, grpc.health.v1 service) a probe asks: a native grpc probe, or an exec probe
+    running `meshllm health` (parsed by the command's own parser)."""
+    if "grpc" in probe:
+        assert "exec" not in probe
+        return probe["grpc"]["port"], probe["grpc"].get("service", "")
+    cmd = probe["exec"]["command"]
+    assert cmd[:2] == ["meshllm", "health"], cmd
+    from services.cli.health import parse_args
+    cfg = parse_args(cmd[2:])  # the command's own parser and validation
+    return int(cfg.addr.rsplit(":", 1)[1]), cfg.service

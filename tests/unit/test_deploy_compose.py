@@ -101,51 +101,78 @@ def test_the_observability_stack_is_wired(base):
         env = svc.get("environment", {})
         assert env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == "http://127.0.0.1:4317", name
     prom_mounts = " ".join(str(v) for v in s["prometheus"]["volumes"])
-    assert "prometheus.yml" in prom_mounts and "mesh-certs" in prom_mounts
+    assert "prometheus.yml" in prom_mounts and "certs-prometheus:/etc/meshllm/certs" in prom_mounts
     grafana_mounts = " ".join(str(v) for v in s["grafana"]["volumes"])
     assert "provisioning" in grafana_mounts and "dashboards" in grafana_mounts
 
 
-def test_the_certs_job_makes_every_file_the_sidecars_and_prometheus_read(base, tmp_path):
-    """Run the `certs` job's own script here (its image paths mapped to a temporary folder),
-    twice: every certificate file an Envoy config or prometheus.yml names exists, each
-    identity's certificate names it, and the CA key is kept out of the shared volume."""
+def _volume_mounts(svc: dict) -> dict[str, str]:
+    """container path -> named volume (or host path) of a normalised service."""
+    out = {}
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            source, target = v.split(":")[:2]
+        else:
+            source, target = v["source"], v["target"]
+        out[target] = source
+    return out
+
+
+def test_the_certs_job_gives_each_sidecar_its_own_key_and_every_file_it_reads(base, tmp_path):
+    """Run the `certs` job's script here (its volumes mapped to folders), twice and after losing
+    one identity's volume: every certificate file an Envoy config or prometheus.yml names is in
+    the volume that container mounts, each certificate names its identity, no volume holds
+    another identity's key or the CA key, and a reissued certificate comes from the same CA."""
     import os
     import subprocess
     import sys
 
-    import yaml
     from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
     from tests.unit.deploy_tools import COMPOSE_DIR, ENVOY_DIR, ROOT
 
     job = base["services"]["certs"]
-    assert job["entrypoint"] == ["sh", "-c"]
-    script = job["command"][0].replace("/var/lib/meshllm", str(tmp_path))
-    for sub in ("certs", "ca", "public-tls"):
-        (tmp_path / sub).mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for _ in range(2):
-        r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    job_mounts = _volume_mounts(job)
+    script = pathlib.Path(job_mounts["/usr/local/bin/meshllm-certs"])
+    assert script == COMPOSE_DIR / "certs.sh"
+    out = tmp_path / "out"
+    env = {**os.environ, "MESHLLM_CERTS_OUT": str(out), "PYTHONPATH": str(ROOT),
+           "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def run():
+        r = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
         assert r.returncode == 0, r.stderr
-    assert not (tmp_path / "certs" / "ca.key").exists() and (tmp_path / "ca" / "ca.key").exists()
-    mounts = {"/etc/meshllm/certs": tmp_path / "certs", "/etc/meshllm/public-tls": tmp_path / "public-tls"}
-    named = []
-    for path in [*ENVOY_DIR.glob("*.yaml"), COMPOSE_DIR / "prometheus.yml"]:
-        named += re.findall(r"(/etc/meshllm/[a-z-]+)/([\w.-]+)", path.read_text())
-    assert len(named) > 20
-    for folder, name in set(named):
-        assert (mounts[folder] / name).is_file(), f"{folder}/{name} is not made by the certs job"
-    for identity in envoy_generator().APP_PORTS:
-        cert = x509.load_pem_x509_certificate((tmp_path / "certs" / f"{identity}.pem").read_bytes())
+
+    run()
+    run()
+    volume_dir = {source: out / target.removeprefix(job["environment"]["MESHLLM_CERTS_OUT"] + "/")
+                  for target, source in job_mounts.items() if target.startswith("/out/")}
+    ca = x509.load_pem_x509_certificate((out / "ca" / "ca.pem").read_bytes())
+    readers = {name: svc for name, svc in base["services"].items() if name.endswith("-envoy") or name == "prometheus"}
+    for name, svc in readers.items():
+        mounts = _volume_mounts(svc)
+        certs = volume_dir[mounts["/etc/meshllm/certs"]]
+        identity = certs.name
+        config = ENVOY_DIR / f"{identity}.yaml" if name != "prometheus" else COMPOSE_DIR / "prometheus.yml"
+        for folder, file in set(re.findall(r"(/etc/meshllm/[a-z-]+)/([\w.-]+)", config.read_text())):
+            where = certs if folder == "/etc/meshllm/certs" else volume_dir[mounts[folder]]
+            assert (where / file).is_file(), f"{name}: {folder}/{file} is not in {where}"
+        keys = sorted(p.name for p in certs.glob("*.key"))
+        assert keys == [f"{identity}.key"], (name, keys)
+        cert = x509.load_pem_x509_certificate((certs / f"{identity}.pem").read_bytes())
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert identity in sans.get_values_for_type(x509.DNSName)
-    # the sidecars and Prometheus mount the volume where the configs look for it
-    for name, svc in base["services"].items():
-        if name.endswith("-envoy") or name == "prometheus":
-            targets = {v.split(":")[1] if isinstance(v, str) else v["target"] for v in svc["volumes"]}
-            assert "/etc/meshllm/certs" in targets, name
-    assert yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]
+        assert cert.issuer == ca.subject
+    # a lost identity volume is reissued by the same CA, the others are left alone
+    before = (out / "gateway" / "gateway.pem").read_bytes()
+    for f in (out / "worker").iterdir():
+        f.unlink()
+    run()
+    worker = x509.load_pem_x509_certificate((out / "worker" / "worker.pem").read_bytes())
+    ca.public_key().verify(worker.signature, worker.tbs_certificate_bytes,
+                           ec.ECDSA(worker.signature_hash_algorithm))  # raises if another CA signed it
+    assert (out / "gateway" / "gateway.pem").read_bytes() == before
 
 
 def test_collector_grafana_and_prometheus_configs_point_at_the_compose_services(base):
@@ -174,6 +201,15 @@ def test_collector_grafana_and_prometheus_configs_point_at_the_compose_services(
     assert pathlib.Path(mounts[path]) == DEPLOY / "grafana" / "dashboards"
     dashboards = list((DEPLOY / "grafana" / "dashboards").glob("*.json"))
     assert dashboards
-    for d in dashboards:
-        variables = {v["name"]: v for v in json.loads(d.read_text())["templating"]["list"]}
-        assert variables["datasource"]["query"] == "prometheus"  # resolves to the provisioned source
+    provisioned = {d["uid"] for d in sources["datasources"]}
+    for d in dashboards:  # every panel's data source is a provisioned one, or a variable over them
+        board = json.loads(d.read_text())
+        variables = {v["name"]: v for v in board.get("templating", {}).get("list", [])}
+        uids = set(re.findall(r'"datasource":\s*\{[^}]*"uid":\s*"([^"]+)"', d.read_text()))
+        assert uids, d.name
+        for uid in uids:
+            if uid.startswith("${"):
+                var = variables[uid[2:-1]]
+                assert var["type"] == "datasource" and var["query"] in by_type, (d.name, uid)
+            else:
+                assert uid in provisioned, (d.name, uid)

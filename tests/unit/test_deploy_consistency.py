@@ -13,7 +13,7 @@ import re
 import pytest
 
 from tests.unit.deploy_tools import (COMPOSE_DIR, K8S_DIR, ROOT, compose_config, envoy_configs, envoy_generator,
-                                     kustomize)
+                                     kustomize, probe_target)
 
 IMAGE_PATHS = {  # paths inside the image -> what stands for them here
     "/opt/meshllm/models/smollm2-135m-instruct": "smollm2",
@@ -189,6 +189,10 @@ def test_compose_services_call_peers_through_sidecar_egress_to_the_right_identit
             for h, p in e["hosts"]:
                 assert p == gen.MESH_PORT and by_host.get(h) == identity, (name, addr, h)
             checked += 1
+        if module == "profiler":  # a target named after a replica reaches that replica
+            for target, addr in [*cfg.services, *cfg.workers]:
+                if target in by_host:
+                    assert egress[hostport(addr)[1]]["hosts"] == [(target, gen.MESH_PORT)], (target, addr)
     assert checked >= 8
 
 
@@ -227,7 +231,7 @@ def test_supervisor_specs_parse_with_each_process_own_flags(where, local_paths):
 
 # ---- kubernetes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
+@pytest.fixture(scope="module", params=["cpu", "gpu", "cpu-mtls"])
 def k8s(request, local_paths):
     docs = kustomize(K8S_DIR / "overlays" / request.param)
     spec_cm = next(d for d in docs if d["kind"] == "ConfigMap"
@@ -258,13 +262,13 @@ def test_k8s_containers_listen_on_the_same_ports_as_compose_and_probe_them(k8s):
         assert port == gen.APP_PORTS[module], where
         declared = {p["containerPort"] for p in c["ports"]}
         assert port in declared, where
-        assert c["livenessProbe"]["grpc"]["port"] == port, where
-        ready = c["readinessProbe"]["grpc"]
+        assert probe_target(c["livenessProbe"]) == (port, ""), where
+        ready = probe_target(c["readinessProbe"])
         if module == "supervisor":  # ready when its engine is: the engine's scheduler
-            assert (ready["port"], ready["service"]) == (gen.SUPERVISED_ENGINE_PORT, "scheduler"), where
+            assert ready == (gen.SUPERVISED_ENGINE_PORT, "scheduler"), where
             assert gen.SUPERVISED_ENGINE_PORT in declared
         else:
-            assert (ready["port"], ready["service"]) == (port, module), where
+            assert ready == (port, module), where
         if hasattr(cfg, "metrics_port"):
             assert cfg.metrics_port in declared, f"{where}: /metrics port {cfg.metrics_port} not declared"
 
@@ -416,3 +420,82 @@ def test_the_gateway_reaches_the_supervisors_engine_and_not_the_supervisor_itsel
              for c in configs["supervisor"]["static_resources"]["clusters"] if c["name"] == cluster
              for g in c["load_assignment"]["endpoints"] for e in g["lb_endpoints"]}
     assert ports == {gen.SUPERVISED_ENGINE_PORT}
+
+
+def test_tracing_settings_are_valid_and_compose_exports_through_the_sidecar(compose, compose_apps):
+    from services.common import telemetry
+
+    gen = envoy_generator()
+    configs = envoy_configs()
+    for name, (module, _) in compose_apps.items():
+        env = {k: str(v) for k, v in compose["services"][name].get("environment", {}).items()}
+        cfg = telemetry.config_from_env(module, None, None, env=env)
+        host, port = hostport(cfg.endpoint.removeprefix("http://"))
+        assert (host, port) == ("127.0.0.1", gen.OTLP_PORT), name
+        egress = _egress_map(configs[module])
+        assert egress[port]["hosts"] == [("otel-collector", gen.OTLP_PORT)], name
+    assert "otel-collector" in compose["services"]
+    docs = kustomize(K8S_DIR / "overlays" / "cpu")
+    data = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("meshllm-config"))
+    cfg = telemetry.config_from_env("gateway", None, None, env=data["data"])
+    assert cfg.endpoint is None  # off until the operator names a collector
+
+
+def test_k8s_internal_mtls_gives_each_service_its_identity_and_certs_that_name_what_peers_dial(local_paths):
+    """overlays/cpu-mtls: every container runs with its own identity's Secret, its exec probes
+    present that certificate, and make-dev-certs.sh makes exactly those Secrets (valid
+    manifests) with certificates whose names cover every address the services dial."""
+    import base64
+    import os
+    import subprocess
+    import sys
+
+    import kubernetes_validate
+    import yaml
+    from cryptography import x509
+
+    from tests.unit.deploy_tools import K8S_VERSION, kubectl
+
+    docs = kustomize(K8S_DIR / "overlays" / "cpu-mtls")
+    spec_cm = next(d for d in docs if d["kind"] == "ConfigMap"
+                   and d["metadata"]["name"].startswith("meshllm-supervisor-spec"))
+    pathlib.Path(local_paths["k8s-spec"]).write_text(spec_cm["data"]["supervisor-spec.json"])
+    wanted = {}
+    dials = []  # (host, identity that must answer)
+    for w in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+        pod = w["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        for c in pod["containers"]:
+            module, *argv = c["args"]
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            cert = env["MESHLLM_INTERNAL_TLS_CERTFILE"]
+            secret = secrets[mounts[cert.rsplit("/", 1)[0]]]
+            assert secret == f"meshllm-tls-{module}", (module, secret)
+            wanted[secret] = module
+            for probe in (c["readinessProbe"], c["livenessProbe"]):
+                if "exec" in probe:
+                    cmd = probe["exec"]["command"]
+                    assert cmd[cmd.index("--tls-certfile") + 1] == cert
+                    assert cmd[cmd.index("--tls-server-name") + 1] == module
+            cfg = parse_service(module, argv, local_paths)
+            for addr, identity in outbound(module, cfg):
+                host = hostport(addr)[0]
+                if identity not in ("worker-zmq", "gateway"):  # pod-local ZMQ; the public port
+                    dials.append((host, "supervisor" if host == "supervisor" else identity))
+    script = K8S_DIR / "make-dev-certs.sh"
+    r = subprocess.run(["bash", str(script), "meshllm"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PATH": f"{pathlib.Path(kubectl()).parent}:"
+                            f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    made = {d["metadata"]["name"]: d for d in yaml.safe_load_all(r.stdout) if d}
+    assert set(wanted) <= set(made), sorted(set(wanted) - set(made))
+    for secret in made.values():
+        kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+        assert {"tls.crt", "tls.key", "ca.crt"} <= set(secret["data"])
+    assert dials
+    for host, identity in dials:
+        pem = base64.b64decode(made[f"meshllm-tls-{identity}"]["data"]["tls.crt"])
+        names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        assert host in names, f"{identity}'s certificate does not name {host}"

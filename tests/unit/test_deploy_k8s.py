@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.deploy_tools import K8S_DIR, K8S_VERSION, kustomize
+from tests.unit.deploy_tools import K8S_DIR, K8S_VERSION, kustomize, probe_target
 
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-mtls")
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +51,14 @@ def test_the_schema_check_rejects_a_broken_manifest(rendered):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_container_has_grpc_probes_and_bounded_resources(rendered, overlay):
+def test_every_container_has_health_probes_and_bounded_resources(rendered, overlay):
     for name, w in _workloads(rendered[overlay]).items():
         for c in w["spec"]["template"]["spec"]["containers"]:
             where = f"{overlay}: {name}/{c['name']}"
-            assert "grpc" in c["readinessProbe"] and c["readinessProbe"]["grpc"].get("service"), where
-            assert "grpc" in c["livenessProbe"], where
+            assert probe_target(c["readinessProbe"])[1], f"{where}: readiness must name the service"
+            assert probe_target(c["livenessProbe"])[1] == "", f"{where}: liveness asks the process only"
+            if overlay != "cpu-mtls":
+                assert "grpc" in c["readinessProbe"] and "grpc" in c["livenessProbe"], where
             res = c["resources"]
             assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"]), where
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
@@ -101,11 +103,19 @@ def test_gpu_overlay_puts_one_engine_on_each_gpu_node(rendered):
     worker = next(c for c in spec["containers"] if c["name"] == "worker")
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert "--device=cuda" in worker["args"] and worker["image"] == "meshllm:cuda"
+    # Triton writes compiled kernels: a writable cache under the read-only root filesystem
+    assert {"name": "triton-cache", "mountPath": "/var/lib/meshllm/triton"} in worker["volumeMounts"]
     anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
     # the gateway routes to every engine replica
     gateway = _kind(rendered["gpu"], "Deployment")["gateway"]["spec"]["template"]["spec"]["containers"][0]
     routed = {a.split("=", 1)[1] for a in gateway["args"] if a.startswith("--engine-addr=engine-")}
     assert routed == {f"engine-{i}.engine:50053" for i in range(engine["spec"]["replicas"])}
+    # the supervisor's own engine never shares a node with a StatefulSet engine
+    sup = _kind(rendered["gpu"], "Deployment")["supervisor"]["spec"]["template"]["spec"]
+    term = sup["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["labelSelector"]["matchLabels"] == engine["spec"]["selector"]["matchLabels"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert sup["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     cpu_engine = _kind(rendered["cpu"], "StatefulSet")["engine"]["spec"]["template"]["spec"]
     assert all("nvidia.com/gpu" not in c["resources"]["limits"] for c in cpu_engine["containers"])

@@ -118,3 +118,10 @@ def test_curve_router_takes_messages_only_from_allowed_keys(tmp_path):
     done.start()
     done.join(10)
     assert not done.is_alive()
+
+
+def test_serve_with_an_incomplete_internal_mtls_dir_exits_2_naming_what_is_missing(smollm2_dir, tmp_path, capsys):
+    from services.cli.main import main
+    assert main(["serve", str(smollm2_dir), "--internal-mtls", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "ca.pem" in err and "scripts/dev-ca" in err

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Development certificates for components/internal-mtls, as Secret manifests on stdout:
+#   deploy/k8s/make-dev-certs.sh [NAMESPACE] | kubectl apply -f -
+# One Secret meshllm-tls-<identity> per service (tls.crt, tls.key, ca.crt) from one dev CA
+# (scripts/dev-ca), with the DNS names the services dial each other by. Not for production:
+# use cert-manager (Certificate resources with the same secret names) there.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NS=${1:-meshllm}
+ENGINES=${MESHLLM_ENGINES:-4}   # engine-0.engine ... engine-(N-1).engine
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+IDENTITIES="gateway tokenizer scheduler worker embedder supervisor profiler"
+sans=()
+for id in $IDENTITIES; do
+  sans+=(--san "$id.$NS" --san "$id.$NS.svc" --san "$id.$NS.svc.cluster.local")
+done
+for ((i = 0; i < ENGINES; i++)); do
+  sans+=(--san "engine-$i.engine" --san "engine-$i.engine.$NS.svc")
+done
+scripts/dev-ca "$work" --services "$(echo $IDENTITIES | tr ' ' ,)" "${sans[@]}" >/dev/null
+for id in $IDENTITIES; do
+  echo "---"
+  kubectl create secret generic "meshllm-tls-$id" --namespace "$NS" \
+    --from-file=tls.crt="$work/$id.pem" --from-file=tls.key="$work/$id.key" --from-file=ca.crt="$work/ca.pem" \
+    --dry-run=client -o yaml
+done
