@@ -10,12 +10,16 @@ from collections.abc import Callable
 from services.gateway.errors import ApiError
 
 
+SWEEP_EVERY = 256
+
+
 class Admission:
     def __init__(self, max_requests: int, max_tokens: int) -> None:
         self.max_requests, self.max_tokens = max_requests, max_tokens
         # request id -> (is it still in flight?, tokens it holds); bounded by max_requests.
         self._held: dict[str, tuple[Callable[[], bool], int]] = {}
         self.tokens = 0
+        self._holds_since_sweep = 0
 
     def _sweep(self) -> None:
         for rid, (alive, tokens) in list(self._held.items()):
@@ -49,3 +53,9 @@ class Admission:
             self.tokens -= old[1]
         self._held[request_id] = (alive, tokens)
         self.tokens += tokens
+        # Finished requests are dropped lazily; sweeping every SWEEP_EVERY holds (amortized
+        # O(1)) keeps their handles from piling up to max_requests in an idle-ish gateway.
+        self._holds_since_sweep += 1
+        if self._holds_since_sweep >= SWEEP_EVERY:
+            self._holds_since_sweep = 0
+            self._sweep()
