@@ -31,7 +31,8 @@ def apply_replica_set(rs: "pb.supervisor.ReplicaSet", engines: EnginePool,
     kinds = pb.supervisor
     specs = [ReplicaSpec(r.id, r.addr, state_name(r.state), r.reason)
              for r in rs.replicas if r.kind == kinds.REPLICA_KIND_ENGINE and r.addr]
-    engines.set_replicas(specs)
+    if specs:  # a supervisor that runs no engine leaves the configured ones alone
+        engines.set_replicas(specs)
     tok_addrs = [r.addr for r in rs.replicas
                  if r.kind == kinds.REPLICA_KIND_TOKENIZER and r.addr]
     if tok_addrs:  # a supervisor that runs no tokenizer leaves the configured ones alone
