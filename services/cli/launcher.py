@@ -118,6 +118,7 @@ class Mesh:
         self.embedder_port = free_port() if cfg.embedding_model_dir else None
         self.profiler_port = free_port()
         self.supervisor_port = free_port()
+        self.gateway_health_port = free_port()  # the gateway's own-thread health (never starved)
         # Prometheus /metrics of the gRPC-only services (the gateway serves it on its HTTP
         # port). A new service that accepts --metrics-port joins by adding its name here.
         # Replicas past the first are "<name>-<rank>".
@@ -245,11 +246,12 @@ class Mesh:
         replicas.append(self._profiler_replica())
         probe_host = "127.0.0.1" if h in ("0.0.0.0", "::", "") else h
         gateway_grpc = f"{probe_host}:{c.grpc_port}"
-        # A TLS gateway (or internal mTLS, whose client certificate the public port does not
-        # take) is probed by a TCP connect; a plain one by its grpc.health.v1 readiness.
-        tls = "--ssl-certfile" in c.gateway_args or self.internal is not None
+        # Probed on its health thread's port (plain, or internal mTLS like every internal
+        # port), which answers even when request traffic saturates the gateway's event loop
+        # and says NOT_SERVING when that loop stalls; the public port may use public TLS.
         gateway = self._process("gateway", [
             *embedder_args, "--profiler-addr", f"127.0.0.1:{self.profiler_port}", "--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
+            "--health-port", str(self.gateway_health_port),
             *[a for e in self.engines for a in ("--engine-addr", f"127.0.0.1:{e.scheduler_port}")],
             *[a for p in self.tokenizer_ports for a in ("--tokenizer-addr", f"127.0.0.1:{p}")],
             "--supervisor-addr", self.supervisor_addr, "--shutdown-grace-s", str(c.stop_grace_s),
@@ -257,8 +259,8 @@ class Mesh:
             *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
             *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
             *c.gateway_args],
-            health_addr=gateway_grpc, health_service="gateway",
-            probe=K.PROBE_TCP if tls else K.PROBE_GRPC_HEALTH)
+            health_addr=f"{probe_host}:{self.gateway_health_port}", health_service="gateway",
+            probe=K.PROBE_GRPC_HEALTH)
         # Last in the spec: the supervisor stops the gateway first and the rest after it.
         replicas.append(K.ReplicaSpec(id="gateway-0", kind=K.REPLICA_KIND_GATEWAY, addr=gateway_grpc,
                                       unhealthy_after_s=LOOP_HEALTH_HANG_S,
@@ -320,7 +322,8 @@ class Mesh:
                  f"worker={self.worker_addr}", f"worker-health=127.0.0.1:{self.worker_grpc_port}"]
         if self.embedder_port:
             parts.append(f"embedder=127.0.0.1:{self.embedder_port}")
-        parts += [f"profiler=127.0.0.1:{self.profiler_port}", f"supervisor={self.supervisor_addr}"]
+        parts += [f"profiler=127.0.0.1:{self.profiler_port}", f"supervisor={self.supervisor_addr}",
+                  f"gateway-health=127.0.0.1:{self.gateway_health_port}"]
         for e in self.engines[1:]:
             parts += [f"scheduler-{e.rank}=127.0.0.1:{e.scheduler_port}", f"worker-{e.rank}={e.worker_addr}"]
         parts += [f"tokenizer-{i}=127.0.0.1:{p}" for i, p in enumerate(self.tokenizer_ports) if i]

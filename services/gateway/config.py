@@ -12,6 +12,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000                  # HTTP (OpenAI API); 0 = a free port
     grpc_port: int = 50051            # public gRPC API + health; 0 = a free port
+    health_port: int = 0              # grpc.health.v1 on its own threads (health_thread.py); 0 = off
     # Replicas: several tokenizers (failover) and several engines (routed); with a
     # supervisor_addr, both sets follow the supervisor's WatchReplicas (these are the start).
     tokenizer_addrs: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
@@ -47,7 +48,7 @@ class GatewayConfig:
         if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
-        for name in ("port", "grpc_port"):
+        for name in ("port", "grpc_port", "health_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {value}")

@@ -8,12 +8,14 @@ import argparse
 import asyncio
 import contextlib
 import socket
+import time
 
 import uvicorn
 
 from services.common import telemetry
 from services.common import internal_tls, loops
 from services.common.grpc_server import bind, make_server
+from services.common.health_thread import start_health_server
 from services.common.log import setup_logging
 from services.common.procs import install_stop_handlers
 from services.gateway.config import GatewayConfig
@@ -36,6 +38,9 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (0 = any free port)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0 = any)")
+    p.add_argument("--health-port", type=int, default=d.health_port,
+                   help="grpc.health.v1 answered from threads of its own, true even when request "
+                        "traffic saturates the event loop (0 = off; the gRPC port serves health too)")
     p.add_argument("--tokenizer-addr", dest="tokenizer_addrs", action="append", default=None,
                    help="a tokenizer's gRPC address (repeatable: failover between them)")
     p.add_argument("--engine-addr", dest="engine_addrs", action="append", default=None,
@@ -96,7 +101,27 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _readiness(gw: Gateway, health, log) -> None:
+# The event loop is taken as wedged when the readiness task has not run for this long.
+LOOP_STALL_S = 10.0
+
+
+class _Vitals:
+    """What the health thread reads: plain attributes written by the event loop."""
+
+    def __init__(self) -> None:
+        self.ready, self.reason, self.stopping = False, "starting", False
+        self.tick = time.monotonic()
+
+    def verdict(self) -> tuple[bool, str]:
+        if self.stopping:
+            return False, "stopping"
+        stalled = time.monotonic() - self.tick
+        if stalled > LOOP_STALL_S:
+            return False, f"event loop stalled for {stalled:.0f}s"
+        return self.ready, self.reason
+
+
+async def _readiness(gw: Gateway, health, vitals: _Vitals, log) -> None:
     last = None
     while True:
         gw.tokenizer_ready = await gw.tokenizer.is_ready()
@@ -105,8 +130,10 @@ async def _readiness(gw: Gateway, health, log) -> None:
             reason = ("ready" if gw.ready else "waiting for the tokenizer" if not gw.tokenizer_ready
                       else f"waiting for an engine replica ({gw.engine.describe()})")
             health.set_ready(gw.ready, reason)
+            vitals.ready, vitals.reason = gw.ready, reason
             log.info("readiness: %s", reason)
             last = state
+        vitals.tick = time.monotonic()
         await asyncio.sleep(0.5)
 
 
@@ -144,8 +171,14 @@ async def serve(config: GatewayConfig) -> int:
     engine.start()
     if embedder is not None:
         embedder.start()
+    vitals = _Vitals()
+    health_server = None
+    if config.health_port:
+        health_server, hport = start_health_server(config.host, config.health_port, ["gateway", SERVICE_NAME],
+                                                   vitals.verdict, config.internal_tls.server_credentials())
+        print(f"gateway health on {config.host}:{hport}", flush=True)
     tasks = [asyncio.create_task(uv.serve(sockets=[sock]), name="uvicorn"),
-             asyncio.create_task(_readiness(gw, health, log), name="readiness")]
+             asyncio.create_task(_readiness(gw, health, vitals, log), name="readiness")]
     if config.supervisor_addr:
         tasks.append(asyncio.create_task(
             follow_supervisor(config.supervisor_addr, engine, tokenizer, creds),
@@ -163,6 +196,7 @@ async def serve(config: GatewayConfig) -> int:
     await asyncio.wait([stopper, tasks[0]], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: %d requests in flight", engine.num_inflight)
     health.set_ready(False, "stopping")
+    vitals.stopping = True
     uv.should_exit = True  # stop accepting connections; running requests go on
     await _drain(engine, config.shutdown_grace_s)
     engine.fail_all("the gateway is shutting down")  # streams end with an error event
@@ -171,6 +205,8 @@ async def serve(config: GatewayConfig) -> int:
     for task in (stopper, *tasks):
         task.cancel()
     await server.stop(grace=2)
+    if health_server is not None:
+        health_server.stop(0)
     await engine.close()
     if embedder is not None:
         await embedder.close()

@@ -47,3 +47,16 @@ def test_every_service_reports_serving_over_grpc_health(mesh):
             for service in ("", name):
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING, (name, service)
+
+
+def test_gateway_health_thread_reports_ready_with_its_reason(mesh):
+    # The supervisor probes this port: it is answered from threads of its own, not the
+    # event loop that carries request traffic.
+    addr = mesh.services()["gateway-health"]
+    with grpc.insecure_channel(addr) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "gateway", "meshllm.v1.Generation"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING, service
+        status = pb.health_grpc.StatusStub(ch).GetStatus(pb.health.StatusRequest(), timeout=10)
+        assert status.state == pb.health.SERVING_STATE_READY and status.reason == "ready"

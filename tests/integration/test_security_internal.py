@@ -85,7 +85,8 @@ def test_a_request_works_end_to_end_over_mtls_and_curve(locked):
     assert requests.get(f"{locked.http_url}/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("service", ["tokenizer", "scheduler", "worker-health", "profiler", "supervisor"])
+@pytest.mark.parametrize("service", ["tokenizer", "scheduler", "worker-health", "profiler", "supervisor",
+                                     "gateway-health"])
 def test_internal_grpc_ports_refuse_clients_without_a_valid_certificate_from_the_mesh_ca(
         locked, certs, other_ca, expired, service):
     addr = locked.services()[service]

@@ -49,3 +49,16 @@ def test_health_answers_from_its_own_threads_while_the_event_loop_is_blocked():
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop(None)
+
+
+def test_gateway_vitals_turn_not_ready_when_its_event_loop_stalls_and_when_stopping():
+    from services.gateway import main as gateway_main
+    vitals = gateway_main._Vitals()
+    vitals.ready, vitals.reason = True, "ready"
+    assert vitals.verdict() == (True, "ready")
+    vitals.tick -= gateway_main.LOOP_STALL_S + 1     # the readiness task has not run since
+    ready, reason = vitals.verdict()
+    assert not ready and reason.startswith("event loop stalled")
+    vitals.tick = time.monotonic()
+    vitals.stopping = True
+    assert vitals.verdict() == (False, "stopping")
