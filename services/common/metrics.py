@@ -212,12 +212,13 @@ def _wrap_unary(behavior, record):
             raise
         finally:
             record(context, start, failed)
+            failed = None  # break the exception -> traceback -> frame cycle
     return wrapped
 
 
 def _wrap_stream(behavior, record):
     async def wrapped(request_or_iterator, context):
-        start, failed = time.perf_counter(), None
+        start, failed, result = time.perf_counter(), None, None
         try:
             result = behavior(request_or_iterator, context)
             if hasattr(result, "__aiter__"):
@@ -230,4 +231,10 @@ def _wrap_stream(behavior, record):
             raise
         finally:
             record(context, start, failed)
+            failed = None  # no exception -> traceback -> this frame cycle left for the GC
+            # A cancelled RPC abandons this generator at its yield: close the handler's own
+            # generator now, so its cleanup (aborting the engine request) runs at once
+            # rather than whenever the garbage collector gets to it.
+            if hasattr(result, "aclose"):
+                await result.aclose()
     return wrapped
