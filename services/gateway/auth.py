@@ -33,7 +33,8 @@ OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/meshllm.
 # Changing trace sampling is an admin action on the public port (internal ports are reached
 # only by the mesh itself, the profiler among them).
 ADMIN_GRPC_METHODS: frozenset[str] = frozenset({"/meshllm.v1.TelemetryControl/SetTraceSampling",
-                                                "/meshllm.v1.TelemetryControl/GetTraceSampling"})
+                                                "/meshllm.v1.TelemetryControl/GetTraceSampling",
+                                                "/meshllm.v1.Generation/ResetPrefixCache"})
 
 MIN_KEY_CHARS = 8
 

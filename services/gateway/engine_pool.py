@@ -180,6 +180,25 @@ class EnginePool:
                     "to %s", handle.request_id, handle.tried[-2], decision.replica_id)
         return True
 
+    async def reset_prefix_cache(self, timeout_s: float) -> list[dict]:
+        """Engine.ResetPrefixCache on every replica at once: one outcome per replica.
+
+        A replica that is STARTING, RESTARTING or DEAD runs (or will run) a fresh process
+        whose cache is empty: it is skipped. Every other one is asked, drained ones too
+        (they still hold a cache and may be undrained)."""
+        async def one(r: Replica) -> dict:
+            out = {"replica": r.spec.replica_id, "address": r.spec.address, "state": r.spec.state}
+            if r.spec.state in ("STARTING", "RESTARTING", "DEAD"):
+                return {**out, "status": "skipped", "reason": f"{r.spec.state.lower()}: no cache to flush"}
+            try:
+                reply = await pb.engine_grpc.EngineStub(r.client._channel).ResetPrefixCache(
+                    pb.engine.ResetPrefixCacheRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError as err:
+                return {**out, "status": "error", "error": f"{err.code().name}: {err.details()}"}
+            return {**out, "status": "ok", "num_blocks_flushed": reply.num_blocks_flushed,
+                    "num_blocks_cached": reply.num_blocks_cached}
+        return list(await asyncio.gather(*(one(r) for r in list(self._replicas.values()))))
+
     def fail_all(self, message: str) -> None:
         for r in self._replicas.values():
             r.client.fail_all(message)

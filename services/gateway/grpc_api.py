@@ -7,6 +7,7 @@ import time
 import grpc
 
 from services.common import pb, telemetry
+from services.gateway.admin_routes import reset_prefix_caches
 from services.gateway.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
@@ -156,6 +157,17 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                 handle.abort()
                 aborted += 1
         return pb.generation.AbortResponse(aborted=aborted)
+
+    async def ResetPrefixCache(self, request, context):
+        """Admin only (auth.ADMIN_GRPC_METHODS), as POST /reset_prefix_cache."""
+        report, failure = await reset_prefix_caches(self.gw.engine)
+        if failure:
+            await ApiError("unavailable", failure).abort_grpc(context)
+        fields = pb.generation.ReplicaPrefixCacheReset.DESCRIPTOR.fields_by_name
+        return pb.generation.PrefixCacheResetResponse(
+            num_blocks_flushed=report["num_blocks_flushed"],
+            replicas=[pb.generation.ReplicaPrefixCacheReset(**{k: v for k, v in o.items() if k in fields})
+                      for o in report["replicas"]])
 
 
 def add_to_server(server: grpc.aio.Server, gw: Gateway) -> GenerationServicer:

@@ -21,6 +21,7 @@ from services.common.metrics import current_trace_exemplar
 from services.gateway.metrics import RouteNames, metrics_route, record_http, track_inflight
 from services.gateway.parsers import make_output_parser
 from services.gateway.profile_routes import add_profile_routes
+from services.gateway.admin_routes import add_admin_routes
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.service import Gateway, new_request_id, sane_client_id
 from services.gateway.timing import RequestTimer
@@ -227,6 +228,8 @@ def create_app(gw: Gateway) -> FastAPI:
     add_tokenize_routes(app, gw)
     cfg = gw.config
     add_profile_routes(app, cfg.profiler_addr, cfg.internal_tls.channel_credentials(), cfg.max_body_bytes)
+    add_admin_routes(app, gw.engine, cfg.supervisor_addr, cfg.internal_tls.channel_credentials(),
+                     cfg.max_body_bytes)
     return app
 
 

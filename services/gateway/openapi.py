@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from services.gateway.admin_routes import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
 from services.gateway.http_tokenize import DetokenizeRequest, TokenizeRequest
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -22,6 +23,7 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/drain": DrainBody,   # admin
 }
 
 # What every POST may answer besides 200 (docs/security.md lists the limits behind them).

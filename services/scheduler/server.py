@@ -24,6 +24,8 @@ from services.scheduler.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("meshllm.scheduler")
 
+RESET_TIMEOUT_S = 10.0   # ResetPrefixCache waits at most this long for a step boundary
+
 
 @dataclass
 class _Stream:
@@ -49,6 +51,7 @@ class Engine:
         self.metrics: EngineMetrics | None = None   # built once the model name is known
         self._inbox: list[tuple[int, pb.engine.EngineRequest]] = []
         self._wake = asyncio.Event()
+        self._flushes: list[asyncio.Future] = []   # ResetPrefixCache calls waiting for a step boundary
         self._stopping = False
         self.vitals = EngineVitals(config.progress_timeout_s)  # read by the health thread
         self.traces = RequestTraces() if telemetry.ENABLED else None  # None: tracing off
@@ -191,6 +194,7 @@ class Engine:
         last_result = 0.0   # when the previous step's result arrived (step duration)
         while not self._stopping:
             self._drain_inbox()
+            self._run_flushes()
             self.vitals.note_pending(bool(inflight) or self.core.has_work())
             if len(inflight) < depth and self.core.has_work():
                 plan = self.core.schedule()
@@ -231,10 +235,31 @@ class Engine:
                 log.debug("step %d: %d reqs, %d tokens, %.1f ms", plan.step_id, num_reqs, num_tokens,
                           (now - t0) * 1e3)
                 continue
-            if not self._inbox:
+            if not self._inbox and not self._flushes:
                 # Idle, or nothing fits until something changes: wait for a submit or abort.
                 self._wake.clear()
                 await self._wake.wait()
+
+    async def reset_prefix_cache(self) -> tuple[int, int]:
+        """Flush the prefix cache of unused blocks at the loop's next step boundary, so it
+        never interleaves with schedule()/update(); returns (flushed, still cached)."""
+        done = asyncio.get_running_loop().create_future()
+        # Calls that timed out while the loop was stuck leave cancelled futures: drop them.
+        self._flushes = [f for f in self._flushes if not f.done()]
+        self._flushes.append(done)
+        self._wake.set()
+        return await done
+
+    def _run_flushes(self) -> None:
+        if not self._flushes:
+            return
+        waiting, self._flushes = self._flushes, []
+        flushed = self.core.reset_prefix_cache()
+        log.info("prefix cache reset: %d free blocks flushed, %d held blocks keep theirs",
+                 flushed, self.core.pool.num_cached)
+        for done in waiting:  # calls that arrived together share one flush
+            if not done.done():
+                done.set_result((flushed, self.core.pool.num_cached))
 
     def begin_drain(self) -> None:
         """SIGTERM: readiness goes false and new submits are refused; in-flight ones go on."""
@@ -334,6 +359,16 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
                                     max_num_seqs=cfg.max_num_seqs,
                                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                                     eos_token_ids=list(engine.info.eos_token_ids))
+
+    async def ResetPrefixCache(self, request, context):
+        if self.engine.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready")
+        try:
+            flushed, cached = await asyncio.wait_for(self.engine.reset_prefix_cache(), RESET_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine loop reached no step boundary "
+                                f"within {RESET_TIMEOUT_S:.0f}s (worker lost or a step is stuck)")
+        return pb.engine.ResetPrefixCacheResponse(num_blocks_flushed=flushed, num_blocks_cached=cached)
 
     async def GetLoad(self, request, context):
         core = self.engine.core

@@ -181,6 +181,36 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
     assert hits["new2"] >= hits["old2"] and hits["new2"] > 0
 
 
+def test_reset_prefix_cache_flushes_free_blocks_and_keeps_held_ones():
+    s, w = make(), FakeWorker(BS)
+    done, live = prompt(20, 18), prompt(21, 18)          # 4 full blocks each
+    s.add_request(Request("done", list(done), 2))
+    drive(s, w)
+    s.add_request(Request("live", list(live), 30))
+    plan = s.schedule()
+    s.update(plan, w.run(plan))                          # "live" runs, its prompt blocks cached
+    held = s.requests["live"].block_ids[:4]
+    assert all(s.pool.blocks[b].block_hash is not None for b in held)
+    cached_free = [b.block_id for b in s.pool.blocks if b.ref_count == 0 and b.block_hash is not None]
+    assert len(cached_free) >= 4                         # "done"'s prompt (and output) blocks
+
+    assert s.reset_prefix_cache() == len(cached_free)
+    assert all(s.pool.blocks[b].block_hash is None for b in cached_free)
+    assert all(s.pool.blocks[b].block_hash is not None for b in held)
+    assert s.reset_prefix_cache() == 0                   # nothing left to flush
+    check_invariants(s)
+
+    # The finished prompt is computed from scratch; the running one is still shared.
+    s.add_request(Request("done-again", list(done), 2))
+    s.add_request(Request("live-again", list(live), 2))
+    plan = s.schedule()
+    hits = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
+    assert hits == {"done-again": 0, "live-again": 16}
+    outputs, _, _ = drive_from(s, w, plan)
+    assert outputs["done-again"] == solo(done, 2)
+    check_invariants(s)
+
+
 def test_abort_returns_blocks_at_once():
     s, w = make(), FakeWorker(BS)
     s.add_request(Request("a", prompt(13, 30), 50))

@@ -95,7 +95,10 @@ class BlockPool:
                 self._free[b] = None
 
     def reset_cache(self) -> int:
-        """Forget every cached hash of unused blocks; returns how many were dropped."""
+        """Forget every cached hash of unused blocks; returns how many were dropped.
+
+        Blocks with owners keep theirs: their requests still read them, and a hash is only
+        ever dropped together with the tokens that confirm it (`_evict`)."""
         dropped = 0
         for b in list(self._free):
             block = self.blocks[b]

@@ -101,6 +101,12 @@ class KVCacheManager:
             self.pool.cache(req.block_ids[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
         req.num_cached_blocks = num_full
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix-cache entries of every block no request holds (vLLM's
+        reset_prefix_cache); returns how many blocks were flushed. Held blocks keep theirs,
+        so running requests lose nothing and their blocks stay shareable."""
+        return self.pool.reset_cache()
+
     def free(self, req: Request) -> None:
         """Release the request's blocks at once, tail first (so its prefix stays cached longest)."""
         if req.block_ids:

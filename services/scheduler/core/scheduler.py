@@ -297,6 +297,11 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
 
+    def reset_prefix_cache(self) -> int:
+        """Flush the prefix cache of unused blocks (see KVCacheManager.reset_prefix_cache).
+        Call it between steps, never while a plan is being built."""
+        return self.kv.reset_prefix_cache()
+
     # ---- metrics ------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Engine state for metrics: counts, KV usage and prefix-cache counters."""

@@ -1,0 +1,111 @@
+"""Admin routes for operating the engines: `POST /reset_prefix_cache` and `POST /drain`.
+
+Both are admin routes (auth.py: ADMIN_HTTP_PREFIXES): refused unless the gateway was started
+with an admin key and the request presents it.
+
+- `POST /reset_prefix_cache` (no body; vLLM's route of the same name) asks every engine
+  replica to drop the prefix-cache entries of the KV blocks no request holds
+  (Engine.ResetPrefixCache, run between steps; running requests keep theirs). 200 with one
+  outcome per replica when every asked replica flushed; 503 with the same body plus an
+  `error` when none could be asked or one failed (the others are flushed all the same).
+- `POST /drain` with `{"replica": "engine-1"}` marks the replica DRAINING in the supervisor
+  (it finishes what it runs; routers send it nothing new); `{"replica": "engine-1",
+  "undrain": true}` puts it back. Answers the supervisor's Replica as JSON. 404 for an
+  unknown replica; 409 when the gateway follows no supervisor (--supervisor-addr)."""
+from __future__ import annotations
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from google.protobuf import json_format
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common import pb
+from services.gateway.engine_pool import EnginePool
+from services.gateway.errors import ApiError
+from services.gateway.protocol import parse_body
+
+RESET_TIMEOUT_S = 15.0   # the scheduler waits up to 10 s for a step boundary
+_DRAIN_TIMEOUT_S = 10.0
+
+
+async def reset_prefix_caches(engines: EnginePool) -> tuple[dict, str | None]:
+    """Flush every replica (HTTP and gRPC share this): the report, and why it counts as a
+    failure (a replica failed, or none could be asked) or None."""
+    outcomes = await engines.reset_prefix_cache(RESET_TIMEOUT_S)
+    report = {"num_blocks_flushed": sum(o.get("num_blocks_flushed", 0) for o in outcomes),
+              "replicas": outcomes}
+    failed = [f"{o['replica']} ({o['error']})" for o in outcomes if o["status"] == "error"]
+    if failed:
+        return report, f"the prefix cache was not flushed on {', '.join(failed)}"
+    if not any(o["status"] == "ok" for o in outcomes):
+        return report, "no engine replica could be asked to flush its prefix cache"
+    return report, None
+
+
+class DrainBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replica: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    undrain: bool = False
+
+
+def _from_supervisor(exc: grpc.aio.AioRpcError) -> ApiError:
+    code, detail = exc.code(), exc.details() or exc.code().name
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ApiError("not_found", detail, param="replica")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError("invalid_argument", detail, param="replica")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return ApiError("conflict", detail)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ApiError("unavailable", f"supervisor unavailable: {detail}")
+    return ApiError("internal", f"supervisor: {detail}")
+
+
+class _SupervisorClient:
+    """A lazily opened channel (created on the serving loop at first use)."""
+
+    def __init__(self, address: str, credentials) -> None:
+        self.address, self._credentials = address, credentials
+        self._stub = None
+
+    def stub(self) -> "pb.supervisor_grpc.SupervisorStub":
+        if not self.address:
+            raise ApiError("conflict", "this gateway follows no supervisor, so it cannot drain "
+                           "replicas: start it with --supervisor-addr (meshllm serve does)")
+        if self._stub is None:
+            from services.common.grpc_server import channel
+            self._stub = pb.supervisor_grpc.SupervisorStub(channel(self.address, credentials=self._credentials))
+        return self._stub
+
+
+def add_admin_routes(app: FastAPI, engines: EnginePool, supervisor_addr: str, credentials=None,
+                     max_body_bytes: int = 65536) -> None:
+    supervisor = _SupervisorClient(supervisor_addr, credentials)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        report, failure = await reset_prefix_caches(engines)
+        body = {"object": "prefix_cache_reset", **report}
+        if failure:
+            body.update(ApiError("unavailable", failure).to_openai())
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(body)
+
+    @app.post("/drain")
+    async def drain(request: Request) -> JSONResponse:
+        from services.gateway.http_app import read_body
+        raw = await read_body(request, max_body_bytes)
+        if not raw.strip():
+            raise ApiError("invalid_argument", 'send {"replica": "<id>"} (and "undrain": true to '
+                           "undo); replica ids are in the supervisor's ListReplicas, e.g. engine-0",
+                           param="replica")
+        body = parse_body(DrainBody, raw)
+        stub = supervisor.stub()
+        call = stub.Undrain if body.undrain else stub.Drain
+        try:
+            replica = await call(pb.supervisor.DrainRequest(replica_id=body.replica), timeout=_DRAIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise _from_supervisor(exc) from None
+        return JSONResponse(json_format.MessageToDict(replica, preserving_proto_field_name=True,
+                                                      always_print_fields_with_no_presence=True))
