@@ -25,7 +25,7 @@ from services.worker.runner import ModelRunner, PlanError
 from services.worker.control import WorkerControlServicer
 from services.worker.profiling import StepProfiler
 from services.worker.step_tracing import StepTracer
-from services.worker.zmq_link import open_endpoints
+from services.worker.zmq_link import error_reply, open_endpoints
 
 log = logging.getLogger("meshllm.worker")
 
@@ -86,21 +86,21 @@ class Engine:
         try:
             req.ParseFromString(payload)
         except DecodeError:
-            return _error_reply(0, "undecodable WorkerRequest")
+            return error_reply("undecodable WorkerRequest")
         kind = req.WhichOneof("kind")
         if kind == "hello":
             try:
                 info = self.runner.hello(req.hello.block_size)
             except PlanError as exc:
                 log.error("hello rejected: %s", exc)
-                return _error_reply(0, str(exc))
+                return error_reply(str(exc))
             log.info("scheduler hello: block_size %d -> %d KV blocks", info.block_size, info.num_kv_blocks)
             return pb.step.WorkerReply(info=info)
         if kind == "plan":
             if self.profiler is not None and self.profiler.active:   # a "meshllm.step" range
                 return pb.step.WorkerReply(result=self.profiler.run_step(lambda: self._step(req.plan)))
             return pb.step.WorkerReply(result=self._step(req.plan))
-        return _error_reply(0, "empty WorkerRequest")
+        return error_reply("empty WorkerRequest")
 
     def _step(self, plan: pb.step.StepPlan) -> pb.step.StepResult:
         tracer = self.step_tracer
@@ -176,13 +176,6 @@ class Engine:
                 self.profiler.shutdown()
             self.sock.close(linger=0)
             on_exit()
-
-
-def _error_reply(step_id: int, message: str) -> pb.step.WorkerReply:
-    reply = pb.step.WorkerReply(result=pb.step.StepResult(step_id=step_id))
-    reply.result.error.code = pb.common.ERROR_CODE_INVALID_ARGUMENT
-    reply.result.error.message = message
-    return reply
 
 
 async def serve(cfg: WorkerConfig) -> int:

@@ -30,7 +30,7 @@ from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.control import WorkerControlServicer
 from services.worker.step_tracing import StepTracer
-from services.worker.zmq_link import open_endpoints
+from services.worker.zmq_link import error_reply, open_endpoints
 
 log = logging.getLogger("meshllm.worker.simulated")
 
@@ -180,7 +180,7 @@ class SimulatedEngine:
             try:
                 info = self.runner.hello(req.hello.block_size)
             except ValueError as exc:
-                return _error_reply(str(exc))
+                return error_reply(str(exc))
             log.info("scheduler hello: block_size %d -> %d KV blocks (simulated)", info.block_size,
                      info.num_kv_blocks)
             return pb.step.WorkerReply(info=info)
@@ -200,7 +200,7 @@ class SimulatedEngine:
                 end_ns = time.time_ns()
                 self.step_tracer.on_step(req.plan, result, end_ns - result.forward_ns, end_ns)
             return pb.step.WorkerReply(result=result)
-        return _error_reply("undecodable or empty WorkerRequest")
+        return error_reply("undecodable or empty WorkerRequest")
 
     def run(self, on_exit) -> None:
         try:
@@ -223,13 +223,6 @@ class SimulatedEngine:
         finally:
             self.sock.close(linger=0)
             on_exit()
-
-
-def _error_reply(message: str) -> pb.step.WorkerReply:
-    reply = pb.step.WorkerReply(result=pb.step.StepResult())
-    reply.result.error.code = pb.common.ERROR_CODE_INVALID_ARGUMENT
-    reply.result.error.message = message
-    return reply
 
 
 async def serve(cfg: WorkerConfig) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import zmq
 
+from services.common import pb
 from services.common.zmq_curve import CurveServerKeys
 
 
@@ -62,3 +63,11 @@ async def open_endpoints(cfg, log, control=None):
              zmq_addr, "on" if cfg.zmq_curve.enabled else "off",
              "on" if cfg.internal_tls.enabled else "off")
     return server, health, ctx, sock
+
+
+def error_reply(message: str) -> "pb.step.WorkerReply":
+    """The reply to a WorkerRequest that could not be run (bad bytes, bad plan)."""
+    reply = pb.step.WorkerReply(result=pb.step.StepResult())
+    reply.result.error.code = pb.common.ERROR_CODE_INVALID_ARGUMENT
+    reply.result.error.message = message
+    return reply
