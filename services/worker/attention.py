@@ -9,6 +9,10 @@ ones with a single query token (decodes, and 1-token prompt chunks) come first: 
 attended in one batched SDPA call over gathered, padded K/V. Longer chunks (prefill, possibly
 starting after a cached prefix) are attended one sequence at a time, causal within the chunk.
 Metadata is built once per step and shared by every layer.
+
+An fp8 cache (torch.float8_e4m3fn, `--kv-cache-dtype fp8`) stores `x / scale` saturated to +-448
+(`quantize_kv`, the same values as the Triton kernels' `quantize_fp8_e4m3`); reads widen it to
+q's dtype and multiply by the scale before the math.
 """
 from __future__ import annotations
 
@@ -16,6 +20,26 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K or V as the cache stores it: fp8 holds x / scale (fp32 division, then clamped so
+    out-of-range values saturate instead of becoming NaN, then rounded to nearest even); other
+    dtypes are a plain cast."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cache contents in q's dtype: fp8 widened (exact) and multiplied by its scale."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x
+    x = x.to(dtype)
+    return x if scale == 1.0 else x * scale
 
 
 @dataclass(frozen=True)
@@ -101,15 +125,24 @@ def build_attn_metadata(seqs: list[SeqSchedule], block_size: int, device: torch.
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([T, kvh, d]) into their cache slots."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter this step's K/V ([T, kvh, d]) into their cache slots (fp8: quantized)."""
     _, nb, bs, kvh, d = kv_cache.shape
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
+        raw = kv_cache.view(torch.uint8)
+        raw[0].view(nb * bs, kvh, d).index_copy_(
+            0, slot_mapping, quantize_kv(k, kv_cache.dtype, k_scale).view(torch.uint8))
+        raw[1].view(nb * bs, kvh, d).index_copy_(
+            0, slot_mapping, quantize_kv(v, kv_cache.dtype, v_scale).view(torch.uint8))
+        return
     kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+                     mask: torch.Tensor, scale: float, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, nh, d] -> [B, nh, d], one query per sequence over its gathered context."""
     b, nh, d = q.shape
     kvh = kv_cache.shape[3]
@@ -120,6 +153,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     flat = block_tables.view(-1)
     k = kv_cache[0].index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
     v = kv_cache[1].index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
+    k, v = dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale)
     # GQA without repeating K/V: query head h uses kv head h // g (HF repeat_kv order), so
     # the g query heads of one kv head act as g "query positions" of that head.
     qg = q.view(b, kvh, nh // kvh, d)
@@ -128,13 +162,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
-                      scale: float) -> torch.Tensor:
+                      scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [q_len, nh, d] -> [q_len, nh, d], causal over cached prefix + this chunk."""
     q_len, nh, d = q.shape
     kvh = kv_cache.shape[3]
     ctx = seq.context_len
     k = kv_cache[0].index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
     v = kv_cache[1].index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    k, v = dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale)
     # k, v: [1, kvh, ctx, d]
     qh = q.transpose(0, 1)[None]                                                  # [1, nh, q_len, d]
     if seq.mask is None:  # chunk starts at position 0: plain causal (q_len == ctx)
@@ -147,15 +182,18 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """q: [T, nh, d], k/v: [T, kvh, d] -> [T, nh, d]. Writes k/v into the cache first."""
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+                    meta: AttnMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q: [T, nh, d], k/v: [T, kvh, d] -> [T, nh, d]. Writes k/v into the cache first; an fp8
+    cache holds k / k_scale and v / v_scale (the scales matter only there)."""
+    write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+    sc = (k_scale, v_scale)
     if not meta.prefills:
-        return decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_mask, scale)
+        return decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_mask, scale, *sc)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = decode_attention(q[:meta.num_decode], kv_cache,
-                                                 meta.decode_block_tables, meta.decode_mask, scale)
+                                                 meta.decode_block_tables, meta.decode_mask, scale, *sc)
     for seq in meta.prefills:
-        out[seq.q_start:seq.q_end] = prefill_attention(q[seq.q_start:seq.q_end], kv_cache, seq, scale)
+        out[seq.q_start:seq.q_end] = prefill_attention(q[seq.q_start:seq.q_end], kv_cache, seq, scale, *sc)
     return out

@@ -8,6 +8,10 @@ from services.common.internal_tls import InternalTls
 from services.common.zmq_curve import CurveServerKeys
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype names: auto = the model's dtype; fp8 = fp8_e4m3 (torch.float8_e4m3fn,
+# per-tensor scales 1.0). fp8_e5m2 is not offered: the kernels store e4m3 only.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+OVERLAP_MODES = ("auto", "on", "off")
 DEVICES = ("cpu", "cuda")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -22,11 +26,13 @@ class WorkerConfig:
     dtype: str = "auto"                # auto: float32 on CPU, bfloat16 on CUDA
     max_model_len: int = 0             # 0: the model's max_position_embeddings
     kv_cache_memory_gb: float = 1.0
+    kv_cache_dtype: str = "auto"       # KV_CACHE_DTYPES; fp8 halves the bytes per block
     num_kv_blocks: int = 0             # 0: size the cache from kv_cache_memory_gb
     block_size: int = 16               # initial block size; WorkerHello may change it
     served_model_name: str = ""        # "": the model directory's name
     num_threads: int = 0               # 0: every core this process may run on
     enforce_eager: bool = False        # CUDA: no CUDA graphs for decode steps
+    overlap_steps: str = "auto"        # OVERLAP_MODES: submit step N+1 before collecting N (runner.py)
     log_every_s: float = 10.0
     simulate: bool = False             # no model: services/worker/simulated.py
     simulate_step_ms: float = 0.0      # simulated time per step ...
@@ -49,6 +55,10 @@ class WorkerConfig:
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.overlap_steps not in OVERLAP_MODES:
+            raise ValueError(f"--overlap-steps must be one of {OVERLAP_MODES}, got {self.overlap_steps!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.max_model_len < 0:
@@ -85,6 +95,14 @@ class WorkerConfig:
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self):
+        """Storage dtype of the KV cache; None: the model's dtype (ModelRunner's default)."""
+        if self.kv_cache_dtype == "auto":
+            return None
+        import torch
+        return torch.float8_e4m3fn
 
     @property
     def kv_cache_bytes(self) -> int:

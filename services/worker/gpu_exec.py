@@ -7,7 +7,10 @@ so a captured graph replays on whatever the last copy put there. The only host s
 of a step is reading the sampled ids (sampling.py).
 
 Device buffers (N = max_num_tokens, S = max_num_seqs, MB = max blocks per sequence):
-  i64  [3, N]: input ids, positions, slot mapping (-1 = padding: the KV write skips it)
+  i64  [4, N]: input ids, positions, slot mapping (-1 = padding: the KV write skips it),
+               id source (>= 0: the id is prev_tokens[src], sampled by the step before, which
+               the host has not read yet; -1: the host's id)
+  prev_tokens [S] long: the sampler writes each step's ids here (runner.py's overlap)
   i32  [S * MB + (S + 1) + S]: block tables [S, MB], query start locations [S + 1], seq lens [S]
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import SeqSchedule
+from services.worker.sampling import to_device
 from services.worker.kernels.attention import decode_splits
 from services.worker.models.llama import LlamaModel
 from services.worker.models.llama_triton import KernelAttnInputs, forward_triton
@@ -37,7 +41,8 @@ class GpuExecutor:
         self.max_blocks = -(-model.max_model_len // block_size)
         dev = model.device
         s, mb = max_num_seqs, self.max_blocks
-        self.i64 = torch.zeros(3, max_num_tokens, dtype=torch.long, device=dev)
+        self.i64 = torch.zeros(4, max_num_tokens, dtype=torch.long, device=dev)
+        self.prev_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
         self.i32 = torch.zeros(s * mb + 2 * s + 1, dtype=torch.int32, device=dev)
         # Pinned staging so the copies are asynchronous (CPU runs, under the Triton interpreter in
         # tests, use plain memory).
@@ -59,11 +64,13 @@ class GpuExecutor:
         self.pool = None
 
     # ---- inputs ---------------------------------------------------------------------------
-    def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], pad_to: int = 0) -> None:
+    def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], pad_to: int = 0,
+               src: list[int] | None = None) -> None:
         """Fill the pinned buffers and copy them to the device (async, stream-ordered)."""
         t, n = len(ids), len(seqs)
         bs = self.block_size
         self.n64[0, :t] = ids
+        self.n64[3, :t] = -1 if src is None else src
         pos = np.asarray(positions, dtype=np.int64)
         self.n64[1, :t] = pos
         counts = np.empty(n, dtype=np.int64)
@@ -88,11 +95,12 @@ class GpuExecutor:
         if pad_to > n:  # CUDA-graph padding rows: one token each, context 0, slot -1
             self.n64[0:2, t:pad_to] = 0
             slots[t:pad_to] = -1
+            self.n64[3, t:pad_to] = -1
             self.n_lens[n:pad_to] = 0
             self.n_qsl[n + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - n)
         rows, toks = max(n, pad_to), max(t, pad_to)
         s, mb = self.max_seqs, self.max_blocks
-        for r in range(3):  # contiguous row prefixes: pinned -> device stays asynchronous
+        for r in range(4):  # contiguous row prefixes: pinned -> device stays asynchronous
             self.i64[r, :toks].copy_(self.h64[r, :toks], non_blocking=True)
         self.i32[:rows * mb].copy_(self.h32[:rows * mb], non_blocking=True)
         self.i32[s * mb:].copy_(self.h32[s * mb:], non_blocking=True)   # qsl + lens (4 KB)
@@ -104,8 +112,10 @@ class GpuExecutor:
 
     # ---- execution ------------------------------------------------------------------------
     def run(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
-            sample_rows: list[int]) -> torch.Tensor | None:
-        """One step -> float32 logits [len(sample_rows), V] of the rows that sample (None: none)."""
+            sample_rows: list[int], src: list[int] | None = None) -> torch.Tensor | None:
+        """One step -> float32 logits [len(sample_rows), V] of the rows that sample (None: none).
+        Nothing waits for the device. `src` (one per token, -1: use ids) points tokens at the
+        previous step's sampled ids in prev_tokens (see the module docstring)."""
         t, n = len(ids), len(seqs)
         if t > self.max_tokens or n > self.max_seqs:
             raise ValueError(f"step of {t} tokens / {n} sequences exceeds the executor's "
@@ -113,22 +123,25 @@ class GpuExecutor:
         decode_only = t == n and len(sample_rows) == n
         bucket = next((b for b in self.graph_sizes if b >= n), None) if decode_only else None
         if bucket is not None:
-            self._stage(ids, positions, seqs, pad_to=bucket)
+            self._stage(ids, positions, seqs, pad_to=bucket, src=src)
             graph, logits = self.graphs.get(bucket) or self._capture(bucket)
             graph.replay()
             return logits[:n]
-        self._stage(ids, positions, seqs)
+        self._stage(ids, positions, seqs, src=src)
+        use_src = src is not None
         if not sample_rows:
-            self._forward(t, n, max(s.num_scheduled_tokens for s in seqs))
+            self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)
             return None
-        hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs))
-        rows = self.i64.new_tensor(sample_rows) if sample_rows != list(range(t)) else None
+        hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)
+        rows = to_device(sample_rows, torch.long, hidden.device) if sample_rows != list(range(t)) else None
         last = hidden if rows is None else hidden.index_select(0, rows)
         return self.model.compute_logits(last)
 
-    def _forward(self, t: int, n: int, max_query_len: int) -> torch.Tensor:
+    def _forward(self, t: int, n: int, max_query_len: int, use_src: bool = True) -> torch.Tensor:
+        # Decode graphs always resolve ids through the src row (a replay cannot choose).
         return forward_triton(self.model, self.i64[0, :t], self.i64[1, :t],
-                              self._attn(t, n, max_query_len), self.kv_caches)
+                              self._attn(t, n, max_query_len), self.kv_caches,
+                              self.i64[3, :t] if use_src else None, self.prev_tokens)
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture forward + logits of a decode step of b rows (inputs already staged)."""

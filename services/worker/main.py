@@ -11,7 +11,7 @@ from services.common.log import setup_logging
 from services.common.metrics import add_metrics_args
 from services.common.profiling import default_profile_dir
 from services.common.zmq_curve import CurveServerKeys
-from services.worker.config import DTYPES, WorkerConfig
+from services.worker.config import DTYPES, KV_CACHE_DTYPES, OVERLAP_MODES, WorkerConfig
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -28,12 +28,20 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's max_position_embeddings")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache budget in GiB")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3 with scale 1.0, "
+                        "half the bytes per block of bf16 (docs/gpu.md)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="exact number of KV blocks (overrides the budget)")
     p.add_argument("--block-size", type=int, default=16, help="initial KV block size (WorkerHello may change it)")
     p.add_argument("--served-model-name", default="", help="model name reported to the scheduler")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: all cores)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--overlap-steps", choices=OVERLAP_MODES,
+                   default=os.environ.get("MESHLLM_OVERLAP_STEPS", "auto"),
+                   help="launch step N+1 before reading step N's tokens (host work hidden behind the "
+                        "GPU); auto: on for CUDA, off on the CPU (nothing to hide there). "
+                        "Default from MESHLLM_OVERLAP_STEPS")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N ranks (one process each; on CUDA rank r uses cuda:r) "
                         "joined by torch.distributed (NCCL on GPUs, gloo on CPUs); N must divide the "
@@ -63,9 +71,11 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     try:
         return WorkerConfig(model=a.model, zmq_addr=a.zmq_addr, host=a.host, grpc_port=a.grpc_port,
                             device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-                            kv_cache_memory_gb=a.kv_cache_memory_gb, num_kv_blocks=a.num_kv_blocks,
+                            kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_dtype=a.kv_cache_dtype,
+                            num_kv_blocks=a.num_kv_blocks,
                             block_size=a.block_size, served_model_name=a.served_model_name,
-                            num_threads=a.num_threads, enforce_eager=a.enforce_eager, simulate=a.simulate,
+                            num_threads=a.num_threads, enforce_eager=a.enforce_eager, overlap_steps=a.overlap_steps,
+                            simulate=a.simulate,
                             simulate_step_ms=a.simulate_step_ms, simulate_token_ms=a.simulate_token_ms,
                             profile_dir=a.profile_dir, tensor_parallel_size=a.tensor_parallel_size, tp_rank=a.tp_rank,
                             tp_init_method=a.tp_init_method, internal_tls=internal_tls.from_args(a),

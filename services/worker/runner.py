@@ -5,6 +5,16 @@ once; CachedRequest only new block ids and counts; finished_ids drop state. For 
 scheduled request we run tokens [num_computed, num_computed + num_scheduled) of its token
 list; when that reaches the end of the known tokens we sample one token and append it, so
 the next decode step (num_scheduled = 1) runs it without the scheduler sending it back.
+
+Host/GPU overlap: `submit(plan)` launches a step and returns at once; `collect(step)` waits for
+its sampled tokens and builds the StepResult. The engine submits step N+1 (which the
+scheduler's async scheduling already sent) before collecting step N, so the host prepares and
+launches N+1 while the GPU still runs N. A token sampled by a step not yet collected is
+"pending": the next step's input for it comes from the device buffer the sampler wrote
+(GpuExecutor.prev_tokens), never from the host. Rows that need the host value of a pending token
+(repetition / frequency / presence penalties read the token history) make submit collect the
+earlier step first. On the CPU (`overlap` False) every submit finishes its step: the same code,
+with nothing to overlap.
 """
 from __future__ import annotations
 
@@ -18,8 +28,8 @@ import torch
 from services.common import pb
 from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models.llama import LlamaModel
-from services.worker.sampling import (SampleRow, SamplingConfig, SamplingParamsError,
-                                      new_base_seed, sample)
+from services.worker.sampling import (SampleHandle, SampleRow, SamplingConfig, SamplingParamsError,
+                                      new_base_seed, sample_async)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +50,12 @@ class RequestState:
     base_seed: int
     num_output_tokens: int
     num_computed_tokens: int      # tokens whose K/V this worker has written (or were cached)
+    num_pending: int = 0          # sampled by a step not collected yet (0 or 1): not in token_ids
+    pending_row: int = -1         # ... at this row of that step's samples (prev_tokens)
+
+    @property
+    def num_known(self) -> int:
+        return len(self.token_ids) + self.num_pending
 
 
 @dataclass
@@ -54,15 +70,31 @@ class _Scheduled:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.state.token_ids)
+        return self.end == self.state.num_known
+
+
+@dataclass
+class PendingStep:
+    """A submitted step: launched, its tokens maybe still on the device."""
+
+    step_id: int
+    scheduled: list[_Scheduled]
+    sampling_seqs: list[_Scheduled]
+    handle: SampleHandle | None
+    t0: int
+    result: pb.step.StepResult | None = None   # set at once for a rejected or failed step
+    sampled: dict | None = None                # request id -> SampledToken, once resolved
+    forward_ns: int = 0
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, model_name: str, kv_cache_bytes: int,
                  num_kv_blocks: int | None = None, block_size: int = 16,
                  enforce_eager: bool = False, max_num_tokens: int = 16384,
-                 seed_rng: random.Random | None = None) -> None:
+                 seed_rng: random.Random | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        # Storage dtype of the KV cache: the model's dtype, or torch.float8_e4m3fn (--kv-cache-dtype fp8).
+        self.kv_dtype = kv_cache_dtype or model.dtype
         # Base seeds of unseeded requests; tensor-parallel ranks pass one identically seeded rng
         # so every rank samples the same tokens (None: the process-wide `random`).
         self.seed_rng = seed_rng
@@ -76,13 +108,18 @@ class ModelRunner:
         self.gpu = None  # GpuExecutor on CUDA devices (Triton kernels, CUDA graphs)
         self.enforce_eager = enforce_eager        # CUDA only: no graphs
         self.max_num_tokens = max_num_tokens      # CUDA only: size of the input buffers
+        # Overlap the host side of step N+1 with the GPU running step N (module docstring).
+        self.overlap = model.device.type == "cuda"
+        self._unresolved: list[PendingStep] = []  # submitted, tokens not read yet (oldest first)
+        self._cpu_prev = torch.zeros(0, dtype=torch.long)  # the CPU path's prev_tokens
+        self._last_done_ns = 0
         self.allocate_kv_cache(block_size)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self, block_size: int) -> None:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise PlanError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-        num_blocks = self.fixed_num_blocks or self.kv_cache_bytes // self.model.kv_bytes_per_block(block_size)
+        num_blocks = self.fixed_num_blocks or self.kv_cache_bytes // self.model.kv_bytes_per_block(block_size, self.kv_dtype)
         if num_blocks < 1:
             raise PlanError("the KV cache budget holds no block; raise --kv-cache-memory-gb")
         self.kv_caches = []  # free the old cache before allocating the new one
@@ -90,7 +127,7 @@ class ModelRunner:
         shape = self.model.kv_cache_shape(num_blocks, block_size)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN garbage there
         # would leak through the masked softmax.
-        self.kv_caches = [torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
                           for _ in range(self.model.cfg.num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
         if self.model.device.type == "cuda":
@@ -100,7 +137,7 @@ class ModelRunner:
                                    max_num_tokens=self.max_num_tokens,
                                    graph_sizes=None if self.enforce_eager else DEFAULT_GRAPH_SIZES)
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
-                 num_blocks * self.model.kv_bytes_per_block(block_size) / 2**30)
+                 num_blocks * self.model.kv_bytes_per_block(block_size, self.kv_dtype) / 2**30)
 
     @property
     def max_requests(self) -> int:
@@ -108,6 +145,7 @@ class ModelRunner:
 
     def hello(self, block_size: int) -> pb.step.WorkerInfo:
         """A (re)connecting scheduler starts from an empty block pool: drop every request."""
+        self._resolve_all()
         if block_size != self.block_size:
             self.allocate_kv_cache(block_size)
         self.requests.clear()
@@ -174,7 +212,7 @@ class ModelRunner:
             if state is None or rid in finished:
                 raise PlanError(f"unknown request id {rid!r}")
             self._check_blocks(rid, r.new_block_ids)
-            self._check_span(rid, r.num_computed_tokens, r.num_scheduled_tokens, len(state.token_ids),
+            self._check_span(rid, r.num_computed_tokens, r.num_scheduled_tokens, state.num_known,
                              len(state.block_ids) + len(r.new_block_ids))
             total += r.num_scheduled_tokens
         if live > self.max_requests:
@@ -205,26 +243,49 @@ class ModelRunner:
 
     # ---- execution ------------------------------------------------------------------------
     def execute(self, plan: pb.step.StepPlan) -> pb.step.StepResult:
-        """Run one step. Never raises: failures come back as StepResult.error."""
-        result = pb.step.StepResult(step_id=plan.step_id)
+        """Run one step to the end. Never raises: failures come back as StepResult.error."""
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan: pb.step.StepPlan) -> PendingStep:
+        """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
+        t0 = time.perf_counter_ns()
         try:
             sampling = self._validate(plan)
         except PlanError as exc:
             log.warning("step %d rejected: %s", plan.step_id, exc)
-            result.error.code = pb.common.ERROR_CODE_INVALID_ARGUMENT
-            result.error.message = str(exc)
-            return result
-        t0 = time.perf_counter_ns()
+            return PendingStep(plan.step_id, [], [], None, t0,
+                               result=_error(plan.step_id, pb.common.ERROR_CODE_INVALID_ARGUMENT, str(exc)))
         try:
+            # Inputs may point at the latest submitted step's samples only: older ones, and that
+            # one too when the host needs its tokens (or there is no overlap), are read first.
+            keep = self.overlap and not self._needs_host_tokens(plan)
+            for p in list(self._unresolved[:-1] if keep else self._unresolved):
+                self._resolve(p)
             scheduled = self._apply(plan, sampling)
-            sampled = self._run(scheduled) if scheduled else {}
+            if not scheduled:   # only finished_ids: nothing to run
+                return PendingStep(plan.step_id, [], [], None, t0, sampled={})
+            return self._launch(plan.step_id, scheduled, t0)
         except Exception as exc:  # one bad step must not kill the worker
             log.exception("step %d failed", plan.step_id)
-            result.error.code = pb.common.ERROR_CODE_INTERNAL
-            result.error.message = f"worker step failed: {type(exc).__name__}: {exc}"
-            return result
-        result.forward_ns = time.perf_counter_ns() - t0
-        for s in scheduled:
+            return PendingStep(plan.step_id, [], [], None, t0, result=_error(
+                plan.step_id, pb.common.ERROR_CODE_INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}"))
+
+    def collect(self, step: PendingStep) -> pb.step.StepResult:
+        """Wait for a submitted step's tokens (and every earlier step's) -> its StepResult."""
+        if step.result is not None:
+            return step.result
+        if step.sampled is not None and step not in self._unresolved:
+            step.forward_ns = step.forward_ns or time.perf_counter_ns() - step.t0
+        try:
+            while self._unresolved and step in self._unresolved:
+                self._resolve(self._unresolved[0])
+        except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the sync
+            log.exception("step %d failed", step.step_id)
+            return _error(step.step_id, pb.common.ERROR_CODE_INTERNAL,
+                          f"worker step failed: {type(exc).__name__}: {exc}")
+        result = pb.step.StepResult(step_id=step.step_id, forward_ns=step.forward_ns)
+        sampled = step.sampled or {}
+        for s in step.scheduled:
             out = result.outputs.add(request_id=s.state.request_id)
             tok = sampled.get(s.state.request_id)
             if tok is None:
@@ -236,52 +297,127 @@ class ModelRunner:
                     lp.top.add(token_id=tid, logprob=val)
         return result
 
+    def ready(self, step: PendingStep) -> bool:
+        """Would collect(step) return without waiting for the device?"""
+        return step.handle is None or step not in self._unresolved or step.handle.ready()
+
+    def _needs_host_tokens(self, plan: pb.step.StepPlan) -> bool:
+        """Penalties read the token history: a pending token must reach the host first."""
+        for r in plan.cached_requests:
+            state = self.requests.get(r.request_id)
+            if state is not None and state.num_pending and state.sampling.has_penalties:
+                return True
+        return False
+
+    def _resolve(self, step: PendingStep) -> None:
+        """Read a step's sampled tokens into the requests' host state (waits for the device)."""
+        self._unresolved.remove(step)
+        step.sampled = {}
+        try:
+            tokens = step.handle.result() if step.handle is not None else []
+        except Exception:
+            for s in step.sampling_seqs:   # never feed later steps from a failed one
+                s.state.num_pending = 0
+            raise
+        finally:
+            now = time.perf_counter_ns()
+            # Device time of this step without counting the overlap with the one before twice.
+            step.forward_ns = now - max(step.t0, self._last_done_ns)
+            self._last_done_ns = now
+        for s, tok in zip(step.sampling_seqs, tokens):
+            st = s.state
+            st.token_ids.append(tok.token_id)
+            st.num_output_tokens += 1
+            st.num_pending -= 1
+            step.sampled[st.request_id] = tok
+
+    def _resolve_all(self) -> None:
+        while self._unresolved:
+            self._resolve(self._unresolved[0])
+
     @torch.inference_mode()
-    def _run(self, scheduled: list[_Scheduled]) -> dict:
+    def _launch(self, step_id: int, scheduled: list[_Scheduled], t0: int) -> PendingStep:
         # Single-token sequences first: attention batches them in one call (attention.py).
         order = sorted(scheduled, key=lambda s: s.count != 1)
         ids: list[int] = []
         positions: list[int] = []
+        src: list[int] = []           # -1: the host id; r >= 0: row r of the previous samples
         seqs: list[SeqSchedule] = []
         sample_rows: list[int] = []
         sampling_seqs: list[_Scheduled] = []
+        any_src = False
         for s in order:
-            ids.extend(s.state.token_ids[s.start:s.end])
+            st = s.state
+            host = len(st.token_ids)
+            if s.end <= host:
+                ids.extend(st.token_ids[s.start:s.end])
+                src.extend([-1] * s.count)
+            else:  # the last scheduled token is pending (validated: end <= num_known)
+                ids.extend(st.token_ids[s.start:host])
+                ids.append(0)
+                src.extend([-1] * (host - s.start))
+                src.append(st.pending_row)
+                any_src = True
             positions.extend(range(s.start, s.end))
-            seqs.append(SeqSchedule(s.state.block_ids, s.start, s.count))
+            seqs.append(SeqSchedule(st.block_ids, s.start, s.count))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(s)
         if self.gpu is not None:
-            logits = self.gpu.run(ids, positions, seqs, sample_rows)                       # [N, V]
+            logits = self.gpu.run(ids, positions, seqs, sample_rows, src if any_src else None)  # [N, V]
         else:
-            logits = self._forward_reference(ids, positions, seqs, sample_rows)
+            logits = self._forward_reference(ids, positions, seqs, sample_rows, src if any_src else None)
         for s in order:
             s.state.num_computed_tokens = s.end
-        if not sample_rows:
-            return {}
-        rows = [SampleRow(s.state.sampling, s.state.token_ids, s.state.num_output_tokens,
-                          s.state.base_seed) for s in sampling_seqs]
-        tokens = sample(logits, rows, self.model.cfg.eos_token_ids)
-        out = {}
-        for s, tok in zip(sampling_seqs, tokens):
-            s.state.token_ids.append(tok.token_id)
-            s.state.num_output_tokens += 1
-            out[s.state.request_id] = tok
-        return out
+        handle = None
+        if sample_rows:
+            rows = [SampleRow(s.state.sampling, s.state.token_ids, s.state.num_output_tokens + s.state.num_pending,
+                              s.state.base_seed, position=s.state.num_known) for s in sampling_seqs]
+            handle = sample_async(logits, rows, self.model.cfg.eos_token_ids, out=self._prev_out(len(rows)))
+            for j, s in enumerate(sampling_seqs):
+                s.state.num_pending += 1
+                s.state.pending_row = j
+        step = PendingStep(step_id, scheduled, sampling_seqs, handle, t0)
+        self._unresolved.append(step)
+        return step
+
+    def _prev_out(self, n: int) -> torch.Tensor:
+        """Where the sampler leaves this step's ids for the next step's inputs."""
+        if self.gpu is not None:
+            return self.gpu.prev_tokens[:n]
+        if n > self._cpu_prev.numel():
+            grown = torch.zeros(max(n, 2 * self._cpu_prev.numel()), dtype=torch.long)
+            grown[:self._cpu_prev.numel()] = self._cpu_prev
+            self._cpu_prev = grown
+        return self._cpu_prev[:n]
 
     def _forward_reference(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
-                           sample_rows: list[int]) -> torch.Tensor | None:
+                           sample_rows: list[int], src: list[int] | None = None) -> torch.Tensor | None:
         """The torch reference forward (CPU path) -> float32 logits [N, V] of the sampling rows."""
         device = self.model.device
         meta = build_attn_metadata(seqs, self.block_size, device, self.model.cfg.sliding_window)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=device),
-                                    torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        if src is not None:
+            input_ids = resolve_ids(input_ids, torch.tensor(src, dtype=torch.long, device=device),
+                                    self._cpu_prev.to(device))
+        hidden = self.model.forward(input_ids, torch.tensor(positions, dtype=torch.long, device=device),
                                     meta, self.kv_caches)                          # [T, H]
         if not sample_rows:
             return None
         last = hidden.index_select(0, torch.tensor(sample_rows, device=device))            # [N, H]
         return self.model.compute_logits(last)
+
+
+def resolve_ids(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """ids with src >= 0 replaced by prev_tokens[src] (what kernels/embedding.py does on a GPU)."""
+    return torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids)
+
+
+def _error(step_id: int, code: int, message: str) -> pb.step.StepResult:
+    result = pb.step.StepResult(step_id=step_id)
+    result.error.code = code
+    result.error.message = message
+    return result
 
 
 def describe_device(device: torch.device) -> str:

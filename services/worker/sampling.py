@@ -8,6 +8,11 @@ unprocessed logits), like vLLM's default `raw_logprobs`.
 Randomness: each draw uses a generator seeded from (request seed, position of the token
 being sampled), so a seeded request gives the same tokens alone or in any batch, and even
 after a preemption. Unseeded requests get a random base seed when they are created.
+
+On a GPU nothing here waits for the device: small per-step tensors go up through pinned
+memory, and `sample_async` only enqueues the copies of its results to pinned host memory plus
+an event, so the runner can launch the next step before reading this one's tokens
+(`SampleHandle.result()` waits for that event alone, not for work queued after it).
 """
 from __future__ import annotations
 
@@ -120,8 +125,13 @@ class SampleRow:
 
     cfg: SamplingConfig
     token_ids: list[int]       # every known token (prompt + outputs) before this draw
-    num_output_tokens: int     # the last this many of token_ids are outputs
+    num_output_tokens: int     # outputs before this draw (token_ids may lack in-flight ones)
     base_seed: int
+    position: int | None = None  # index of the token being drawn (None: len(token_ids))
+
+    @property
+    def draw_position(self) -> int:
+        return len(self.token_ids) if self.position is None else self.position
 
 
 @dataclass
@@ -131,6 +141,16 @@ class SampledToken:
     top: list[tuple[int, float]] | None = None  # [(token_id, logprob)] best first
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a host/device sync: through pinned memory
+    with an asynchronous copy on CUDA (a plain `torch.tensor(..., device=cuda)` waits for every
+    kernel queued before it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow],
                             eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """In place on `logits` [N, V] float32: logit_bias, min_tokens, penalties."""
@@ -138,23 +158,23 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow],
     for i, row in enumerate(rows):
         cfg = row.cfg
         if cfg.logit_bias:
-            ids = torch.tensor([t for t, _ in cfg.logit_bias], device=logits.device)
-            logits[i, ids] += torch.tensor([b for _, b in cfg.logit_bias], device=logits.device)
+            ids = to_device([t for t, _ in cfg.logit_bias], torch.long, logits.device)
+            logits[i, ids] += to_device([b for _, b in cfg.logit_bias], logits.dtype, logits.device)
         if row.num_output_tokens < cfg.min_tokens:
             stop = set(cfg.stop_token_ids) | (set() if cfg.ignore_eos else set(eos_token_ids))
             stop = [t for t in stop if 0 <= t < v]
             if stop:
-                logits[i, torch.tensor(stop, device=logits.device)] = float("-inf")
+                logits[i, to_device(stop, torch.long, logits.device)] = float("-inf")
         if not cfg.has_penalties:
             continue
         if cfg.repetition_penalty != 1.0 and row.token_ids:
-            seen = torch.tensor(sorted(set(row.token_ids)), device=logits.device)
+            seen = to_device(sorted(set(row.token_ids)), torch.long, logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / cfg.repetition_penalty,
                                           vals * cfg.repetition_penalty)
         if (cfg.presence_penalty or cfg.frequency_penalty) and row.num_output_tokens:
-            out = torch.tensor(row.token_ids[len(row.token_ids) - row.num_output_tokens:],
-                               device=logits.device)
+            out = to_device(row.token_ids[len(row.token_ids) - row.num_output_tokens:], torch.long,
+                            logits.device)
             counts = torch.bincount(out, minlength=v)[:v].to(logits.dtype)
             logits[i] -= cfg.frequency_penalty * counts + cfg.presence_penalty * (counts > 0)
     return logits
@@ -166,29 +186,73 @@ def _restrict(x: torch.Tensor, cfgs: list[SamplingConfig]) -> torch.Tensor:
     need_sort = any(c.top_k or c.top_p < 1.0 for c in cfgs)
     if need_sort:
         s, idx = x.sort(dim=-1, descending=True)
-        ks = torch.tensor([c.top_k if c.top_k else v for c in cfgs], device=x.device)
+        ks = to_device([c.top_k if c.top_k else v for c in cfgs], torch.long, x.device)
         s = s.masked_fill(torch.arange(v, device=x.device)[None, :] >= ks[:, None], float("-inf"))
-        ps = torch.tensor([c.top_p for c in cfgs], device=x.device, dtype=x.dtype)
+        ps = to_device([c.top_p for c in cfgs], x.dtype, x.device)
         if any(c.top_p < 1.0 for c in cfgs):  # decided on the host: no device sync
             p = s.softmax(dim=-1)
             # Drop a token once the mass strictly before it already reaches top_p; keeps >= 1.
             s = s.masked_fill(p.cumsum(dim=-1) - p > ps[:, None], float("-inf"))
         x = torch.empty_like(x).scatter_(1, idx, s)
     if any(c.min_p > 0 for c in cfgs):
-        min_ps = torch.tensor([c.min_p for c in cfgs], device=x.device, dtype=x.dtype)
+        min_ps = to_device([c.min_p for c in cfgs], x.dtype, x.device)
         p = x.softmax(dim=-1)
         x = x.masked_fill(p < min_ps[:, None] * p.max(dim=-1, keepdim=True).values, float("-inf"))
     return x
 
 
+class SampleHandle:
+    """The tokens (and logprobs) of one sampling call, copied to host memory asynchronously."""
+
+    def __init__(self, rows: list[SampleRow], tokens: torch.Tensor, lp_rows: list[int],
+                 sampled_lp: torch.Tensor | None, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.rows, self.lp_rows = rows, lp_rows
+        cuda = tokens.device.type == "cuda"
+        # On CUDA `.to("cpu", non_blocking=True)` lands in pinned memory; the event marks the end
+        # of these copies, so result() never waits for kernels launched after this call.
+        self._tokens = tokens.to("cpu", non_blocking=cuda)
+        self._lp = sampled_lp.to("cpu", non_blocking=cuda) if sampled_lp is not None else None
+        self._top = tuple(t.to("cpu", non_blocking=cuda) for t in top) if top is not None else None
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._out: list[SampledToken] | None = None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[SampledToken]:
+        if self._out is None:
+            if self._event is not None:
+                self._event.synchronize()
+            out = [SampledToken(t) for t in self._tokens.tolist()]
+            if self.lp_rows:
+                lps = self._lp.tolist()
+                top_i, top_v = (self._top[1].tolist(), self._top[0].tolist()) if self._top else (None, None)
+                for j, i in enumerate(self.lp_rows):
+                    k = self.rows[i].cfg.logprobs
+                    out[i].logprob = lps[j]
+                    out[i].top = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
+            self._out = out
+        return self._out
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow],
            eos_token_ids: tuple[int, ...] = ()) -> list[SampledToken]:
     """logits: [N, V] float32 (modified in place) -> one SampledToken per row."""
+    return sample_async(logits, rows, eos_token_ids).result()
+
+
+def sample_async(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
+                 out: torch.Tensor | None = None) -> SampleHandle:
+    """Enqueue sampling of logits [N, V] float32 (modified in place). `out` ([N] long on the
+    logits' device) also receives the sampled ids there, for the next step's inputs."""
     n = logits.shape[0]
     dev = logits.device
     # index_select / index_copy_ with index tensors: list indexing is slow on CPU.
     want_lp = [i for i, r in enumerate(rows) if r.cfg.logprobs is not None]
-    lp_idx = torch.tensor(want_lp, dtype=torch.long, device=dev)
+    lp_idx = to_device(want_lp, torch.long, dev) if want_lp else None
     raw_lp = torch.log_softmax(logits.index_select(0, lp_idx), dim=-1) if want_lp else None
     logits = apply_logits_processors(logits, rows, eos_token_ids)
     greedy = [i for i, r in enumerate(rows) if r.cfg.greedy]
@@ -197,30 +261,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     else:
         tokens = torch.empty(n, dtype=torch.long, device=dev)
         if greedy:
-            g_idx = torch.tensor(greedy, dtype=torch.long, device=dev)
+            g_idx = to_device(greedy, torch.long, dev)
             tokens.index_copy_(0, g_idx, logits.index_select(0, g_idx).argmax(dim=-1))
         rand = [i for i, r in enumerate(rows) if not r.cfg.greedy]
-        r_idx = torch.tensor(rand, dtype=torch.long, device=dev)
+        r_idx = to_device(rand, torch.long, dev)
         cfgs = [rows[i].cfg for i in rand]
-        temps = torch.tensor([c.temperature for c in cfgs], device=dev)
+        temps = to_device([c.temperature for c in cfgs], logits.dtype, dev)
         probs = _restrict(logits.index_select(0, r_idx) / temps[:, None], cfgs).softmax(dim=-1)
         # Exponential race (argmax p/q, q ~ Exp(1)) == multinomial, without a device sync,
         # and each row's noise comes from its own generator only.
         noise = torch.empty_like(probs)
         for j, i in enumerate(rand):
             gen = torch.Generator(device=dev)
-            gen.manual_seed(step_seed(rows[i].base_seed, len(rows[i].token_ids)))
+            gen.manual_seed(step_seed(rows[i].base_seed, rows[i].draw_position))
             noise[j].exponential_(generator=gen)
         noise.clamp_(min=1e-30)  # an exact 0 draw would make 0/0 for masked tokens
         tokens.index_copy_(0, r_idx, (probs / noise).argmax(dim=-1))
-    token_list = tokens.tolist()
-    out = [SampledToken(t) for t in token_list]
+    if out is not None:
+        out.copy_(tokens)
+    sampled_lp = top = None
     if want_lp:
-        sampled_lp = raw_lp.gather(1, tokens.index_select(0, lp_idx)[:, None])[:, 0].tolist()
+        sampled_lp = raw_lp.gather(1, tokens.index_select(0, lp_idx)[:, None])[:, 0]
         max_top = max(rows[i].cfg.logprobs for i in want_lp)
-        top_v, top_i = (raw_lp.topk(max_top, dim=-1) if max_top else (None, None))
-        for j, i in enumerate(want_lp):
-            k = rows[i].cfg.logprobs
-            out[i].logprob = sampled_lp[j]
-            out[i].top = (list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else [])
-    return out
+        top = raw_lp.topk(max_top, dim=-1) if max_top else None
+    return SampleHandle(rows, tokens, want_lp, sampled_lp, top)

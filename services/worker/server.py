@@ -2,6 +2,10 @@
 
 The model runs on one engine thread that owns the ZMQ socket; the asyncio loop only serves
 health, so readiness answers even while a long step runs (torch releases the GIL).
+
+On a GPU the engine overlaps steps (runner.py): it submits a plan, and while that step runs it
+takes the next plan the scheduler already sent (async scheduling) and submits it too, and only
+then replies with the first step's result. Replies keep the plans' order.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from services.worker.zmq_link import error_reply, open_endpoints
 log = logging.getLogger("meshllm.worker")
 
 _POLL_MS = 100
+_SPIN_S = 50e-6   # while a step runs: how often to look for the next plan / the step's end
 
 
 class _Stats:
@@ -74,19 +79,38 @@ class Engine:
                                   num_kv_blocks=self.cfg.num_kv_blocks or None,
                                   block_size=self.cfg.block_size,
                                   enforce_eager=self.cfg.enforce_eager,
+                                  kv_cache_dtype=self.cfg.kv_torch_dtype,
                                   seed_rng=self.tp.seed_rng if self.tp is not None else None)
+        if self.cfg.overlap_steps != "auto":
+            self.runner.overlap = self.cfg.overlap_steps == "on"
         if self.tp is not None:
             self.tp.barrier()  # ready means every rank holds its shard and KV cache
-        log.info("model %s ready in %.1fs on %s (%s, %d threads), max_model_len %d",
+        log.info("model %s ready in %.1fs on %s (%s, %d threads), max_model_len %d, step overlap %s",
                  self.cfg.served_model_name, time.monotonic() - t0, device,
-                 str(model.dtype).removeprefix("torch."), torch.get_num_threads(), model.max_model_len)
+                 str(model.dtype).removeprefix("torch."), torch.get_num_threads(), model.max_model_len,
+                 "on" if self.runner.overlap else "off")
 
     def handle(self, payload: bytes) -> pb.step.WorkerReply:
+        """One request from start to reply (tensor-parallel ranks > 0, and rank 0 unpipelined)."""
+        req, bad = self._parse(payload)
+        return bad if bad is not None else self._handle_request(req)
+
+    @staticmethod
+    def _parse(payload: bytes) -> tuple[pb.step.WorkerRequest | None, pb.step.WorkerReply | None]:
         req = pb.step.WorkerRequest()
         try:
             req.ParseFromString(payload)
         except DecodeError:
-            return error_reply("undecodable WorkerRequest")
+            return None, error_reply("undecodable WorkerRequest")
+        return req, None
+
+    def _pipelined(self, req: pb.step.WorkerRequest) -> bool:
+        """May this request's step overlap the one in flight? Plans on a GPU, outside captures
+        (a profiler capture runs each step whole on its own thread)."""
+        return (req.WhichOneof("kind") == "plan" and self.runner.overlap
+                and not (self.profiler is not None and self.profiler.active))
+
+    def _handle_request(self, req: pb.step.WorkerRequest) -> pb.step.WorkerReply:
         kind = req.WhichOneof("kind")
         if kind == "hello":
             try:
@@ -103,10 +127,11 @@ class Engine:
         return error_reply("empty WorkerRequest")
 
     def _step(self, plan: pb.step.StepPlan) -> pb.step.StepResult:
+        start_ns = time.time_ns()
+        return self._after_step(plan, self.runner.execute(plan), start_ns)
+
+    def _after_step(self, plan: pb.step.StepPlan, result: pb.step.StepResult, start_ns: int) -> pb.step.StepResult:
         tracer = self.step_tracer
-        if tracer is not None:
-            start_ns = time.time_ns()
-        result = self.runner.execute(plan)
         if self.tp is not None and result.error.code == pb.common.ERROR_CODE_INTERNAL:
             # Bad plans fail alike on every rank before any collective; a failure inside the
             # forward may leave the ranks disagreeing or waiting in an all-reduce forever.
@@ -132,6 +157,11 @@ class Engine:
                   " error" if result.HasField("error") else "")
         return result
 
+    def _reply_step(self, inflight) -> None:
+        envelope, plan, pending, start_ns = inflight
+        result = self._after_step(plan, self.runner.collect(pending), start_ns)
+        self.sock.send_multipart([*envelope, pb.step.WorkerReply(result=result).SerializeToString()])
+
     def _maybe_log_summary(self) -> None:
         s, now = self.stats, time.monotonic()
         if now - s.since < self.cfg.log_every_s:
@@ -149,19 +179,42 @@ class Engine:
             on_ready()
             poller = zmq.Poller()
             poller.register(self.sock, zmq.POLLIN)
+            inflight = None   # (envelope, plan, PendingStep, start ns): submitted, not replied
             while not self.stop_flag.is_set():
-                if poller.poll(_POLL_MS):
+                if inflight is None:
+                    got = poller.poll(_POLL_MS)
+                else:  # a step runs: take the next plan if it comes first, else reply when done
+                    got = poller.poll(0)
+                    if not got and not self.runner.ready(inflight[2]):
+                        time.sleep(_SPIN_S)
+                        continue
+                if got:
                     frames = self.sock.recv_multipart()
                     if self.tp is not None:
                         self.tp.send(frames[-1])  # every rank runs every request
                     # [identity, (empty delimiter,) payload]: reply on the same envelope.
-                    reply = self.handle(frames[-1])
+                    req, bad = self._parse(frames[-1])
+                    if bad is None and self._pipelined(req):
+                        started = (frames[:-1], req.plan, self.runner.submit(req.plan), time.time_ns())
+                        if inflight is not None:
+                            self._reply_step(inflight)
+                        inflight = started
+                        continue
+                    if inflight is not None:
+                        self._reply_step(inflight)
+                        inflight = None
+                    reply = bad if bad is not None else self._handle_request(req)
                     self.sock.send_multipart([*frames[:-1], reply.SerializeToString()])
+                elif inflight is not None:
+                    self._reply_step(inflight)
+                    inflight = None
                 elif self.tp is not None:
                     self.tp.heartbeat()
                 if self.profiler is not None:
                     self.profiler.tick()   # start a requested capture, end one past its bounds
                 self._maybe_log_summary()
+            if inflight is not None:
+                self._reply_step(inflight)
             if self.tp is not None:
                 self.tp.send_stop()
                 self.tp_closed = self.tp.close()

@@ -133,6 +133,7 @@ def preflight(cfg: WorkerConfig) -> None:
 def _rank_args(cfg: WorkerConfig, rank: int) -> list[str]:
     return ["--model", cfg.model, "--zmq-addr", cfg.zmq_addr, "--device", cfg.device, "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_model_len), "--kv-cache-memory-gb", str(cfg.kv_cache_memory_gb),
+            "--kv-cache-dtype", cfg.kv_cache_dtype,
             "--num-kv-blocks", str(cfg.num_kv_blocks), "--block-size", str(cfg.block_size),
             "--served-model-name", cfg.served_model_name, "--num-threads", str(cfg.num_threads),
             *(["--enforce-eager"] if cfg.enforce_eager else []),

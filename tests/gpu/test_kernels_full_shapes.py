@@ -92,3 +92,83 @@ def test_silu_mul_full_shape_bf16():
     x = torch.randn(300, 2 * 14336, device=DEV, dtype=torch.bfloat16)
     gate, up = x.float().chunk(2, dim=-1)
     assert rel_err(silu_mul(x), torch.nn.functional.silu(gate) * up) < BF16_TOL
+
+
+def _qkv_prep_case(t, norm, cache_dtype=torch.bfloat16, k_scale=1.0, v_scale=1.0):
+    """Llama-3-8B (Llama 3 RoPE scaling) or Qwen3-8B-like (q/k norm, theta 1e6) attention shapes,
+    T tokens at random positions and distinct slots, every 7th row a padding row (slot -1).
+    Returns the kernel's outputs and the fp32 reference on the same bf16 inputs."""
+    from services.worker.kernels.qkv_prep import qkv_prep_
+    nh, kvh, d, bs, nb, max_len = 32, 8, 128, 16, 256, 16384
+    rope = RopeScaling() if norm else RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    cfg = ModelConfig("qwen3" if norm else "llama", 151936, 4096, 12288, 36, nh, kvh, d, 1e-6,
+                      1000000.0 if norm else 500000.0, 40960, False, qk_norm=norm,
+                      rope_scaling=rope)
+    cos, sin = rope_cos_sin(cfg, max_len, torch.float32, DEV)
+    g = torch.Generator(device=DEV).manual_seed(t * 2 + norm)
+    qkv = torch.randn(t, (nh + 2 * kvh) * d, device=DEV, generator=g, dtype=torch.bfloat16)
+    pos = torch.randint(0, max_len, (t,), device=DEV, generator=g)
+    slots = torch.randperm(nb * bs, device=DEV, generator=g)[:t]
+    slots[1::7] = -1
+    qn = kn = None
+    if norm:
+        qn = torch.rand(d, device=DEV, generator=g).to(torch.bfloat16) + 0.5
+        kn = torch.rand(d, device=DEV, generator=g).to(torch.bfloat16) + 0.5
+    cache = torch.randn(2, nb, bs, kvh, d, device=DEV, generator=g).to(cache_dtype)
+    before = cache.clone()
+    q, k, v = qkv.float().split([nh * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, kvh, d), v.reshape(t, kvh, d)
+    if norm:
+        q, k = rms_norm(q, qn.float(), 1e-6), rms_norm(k, kn.float(), 1e-6)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    want_q, want_k = apply_rope(q, c, s), apply_rope(k, c, s)
+    qkv_prep_(qkv, pos, cos, sin, cache, slots, nh, kvh, d, q_norm=qn, k_norm=kn, eps=1e-6,
+              k_scale=k_scale, v_scale=v_scale)
+    torch.cuda.synchronize()
+    oq, ok, ov = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
+    return (oq.reshape(t, nh, d), ok.reshape(t, kvh, d), ov.reshape(t, kvh, d), want_q, want_k, v,
+            cache, before, slots)
+
+
+@pytest.mark.parametrize("t", [1, 1024])
+@pytest.mark.parametrize("norm", [False, True], ids=["llama3_8b", "qwen3_8b"])
+def test_qkv_prep_full_shapes_bf16(t, norm):
+    oq, ok, ov, want_q, want_k, v, cache, before, slots = _qkv_prep_case(t, norm)
+    assert rel_err(oq, want_q) < BF16_TOL and rel_err(ok, want_k) < BF16_TOL
+    assert torch.equal(ov.float(), v), "v must be left alone in qkv"
+    keep = slots >= 0
+    flat, flat_before = cache.view(2, -1, 8, 128), before.view(2, -1, 8, 128)
+    assert torch.equal(flat[0, slots[keep]], ok[keep]), "the cache holds the k left in qkv"
+    assert torch.equal(flat[1, slots[keep]].float(), v[keep])
+    assert rel_err(flat[0, slots[keep]], want_k[keep]) < BF16_TOL
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEV)
+    untouched[slots[keep]] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched]), "padding rows write nothing"
+
+
+def test_qkv_prep_fp8_cache_full_shape():
+    """e4m3fn cache: clamp(x / scale, ±448) of the bf16 k left in qkv and of v. Small scales make
+    ~2% of the values saturate."""
+    fp8 = torch.float8_e4m3fn
+    k_scale, v_scale = 0.005, 0.0075
+    oq, ok, ov, want_q, want_k, v, cache, before, slots = _qkv_prep_case(
+        1024, True, cache_dtype=fp8, k_scale=k_scale, v_scale=v_scale)
+    assert rel_err(oq, want_q) < BF16_TOL and rel_err(ok, want_k) < BF16_TOL
+    keep = slots >= 0
+    # compared as fp32 (exact for e4m3fn): indexing float8 tensors is not supported everywhere
+    flat, flat_before = cache.float().view(2, -1, 8, 128), before.float().view(2, -1, 8, 128)
+    want_k8 = (ok[keep].float() / k_scale).clamp(-448, 448).to(fp8)
+    want_v8 = (v[keep] / v_scale).clamp(-448, 448).to(fp8)
+    got_k, got_v = flat[0, slots[keep]], flat[1, slots[keep]]
+    assert (got_k.abs() == 448).float().mean() > 0.005, "the case must exercise saturation"
+    assert torch.isfinite(got_k).all() and torch.isfinite(got_v).all()
+    # Same inputs and rule: equal but for a rare 1-ulp flip (torch may divide by a scalar through
+    # its reciprocal; the kernel's division is correctly rounded).
+    assert (got_k != want_k8.float()).float().mean() < 1e-5
+    assert (got_v != want_v8.float()).float().mean() < 1e-5
+    # Dequantised, within fp8 (3 mantissa bits) of the fp32 reference where nothing saturated.
+    inside = want_k[keep].abs() < 440 * k_scale
+    assert rel_err(got_k[inside] * k_scale, want_k[keep][inside]) < 0.05
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEV)
+    untouched[slots[keep]] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])

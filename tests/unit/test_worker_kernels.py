@@ -184,3 +184,98 @@ def test_kernel_forward_in_the_runner_gives_the_reference_greedy_tokens(tmp_path
             sched.add(f"r{i}", p, 5)
         outs.append(sched.run())
     assert outs[0] == outs[1]
+
+
+# ---- FP8 KV cache (--kv-cache-dtype fp8) ------------------------------------------------------
+# The interpreter loads/stores fp8 (as bytes) and widens fp8 -> fp16/fp32 exactly; its fp32 -> fp8
+# cast mis-rounds when the mantissa carries into the exponent, which the kernels' own rounding
+# (quantize_fp8_e4m3) avoids: these tests hold the GPU's code path to the torch reference bit for bit.
+FP8 = torch.float8_e4m3fn
+
+
+def wide_values(n: int, kvh: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """K/V-like values over fp8's whole range: normals, subnormals (< 2^-6), ties, beyond 448."""
+    mag = torch.logspace(-11, 10, n * kvh * d, base=2.0)[torch.randperm(n * kvh * d, generator=gen)]
+    x = (mag * torch.randn(n * kvh * d, generator=gen).sign()).view(n, kvh, d)
+    x[0, 0, :8] = torch.tensor([448.0, 464.0, 500.0, -1e4, 0.0, -0.0, 2.0 ** -10, 1.5 * 2.0 ** -9])
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
+def test_write_kv_into_fp8_cache_equals_reference_quantization_bit_for_bit(dtype, k_scale, v_scale):
+    gen = torch.Generator().manual_seed(7)
+    t, kvh, d, bs, nb = 9, 2, 32, 4, 8
+    k = wide_values(t, kvh, d, gen).to(dtype)
+    v = (wide_values(t, kvh, d, gen) * 3).to(dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[4] = -1                                                  # a padding row: skipped
+    cache = torch.randn(2, nb, bs, kvh, d, generator=gen).to(FP8)
+    want = cache.clone()
+    keep = slots >= 0
+    ref.write_kv(want, k[keep], v[keep], slots[keep], k_scale, v_scale)
+    ka.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    # saturation, not NaN: 464, 500 and -1e4 (over scale 1) land on +-448
+    assert not want.float().isnan().any()
+    if k_scale == 1.0:
+        assert want[0].view(-1, kvh, d)[slots[0], 0, :4].float().tolist() == [448.0, 448.0, 448.0, -448.0]
+
+
+@pytest.mark.parametrize("nh,kvh", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_over_fp8_cache_matches_reference_on_ragged_batch(nh, kvh, dtype):
+    """Prefill chunks (fresh and after a cached prefix) and decodes over an fp8 cache, with
+    non-trivial scales: the kernel equals the fp32 torch reference over the same fp8 bytes."""
+    rng = random.Random(nh + kvh)
+    gen = torch.Generator().manual_seed(nh)
+    d, bs, nb, k_scale, v_scale = 32, 16, 24, 0.5, 2.0
+    specs = [(36, 1), (15, 1), (0, 21), (32, 9), (7, 30)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    t = sum(s for _, s in specs)
+    cache = (torch.randn(2, nb, bs, kvh, d, generator=gen) * 2).to(FP8)
+    q = torch.randn(t, nh, d, generator=gen).to(dtype)
+    k = (torch.randn(t, kvh, d, generator=gen) * 2).to(dtype)
+    v = torch.randn(t, kvh, d, generator=gen).to(dtype)
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"))
+    want_cache = cache.clone()
+    want = ref.paged_attention(q.float(), k.float(), v.float(), want_cache, meta, d ** -0.5,
+                               k_scale, v_scale)
+    ka.write_kv(cache, k, v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    out = ka.paged_attention(q, cache, tables, qsl, lens, max(s for _, s in specs), d ** -0.5,
+                             k_scale=k_scale, v_scale=v_scale)
+    assert out.dtype == dtype
+    assert rel_err(out, want) < TOL[dtype]
+    # the scales really act: the same bytes read at scale 1 give another answer
+    plain = ref.paged_attention(q.float(), k.float(), v.float(), want_cache.clone(), meta, d ** -0.5)
+    assert rel_err(plain, want) > 0.1
+
+
+def test_paged_attention_fp8_decode_with_splits_matches_reference():
+    """Split-KV decodes (the combine kernel) over an fp8 cache, a CUDA-graph padding row included."""
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    nh, kvh, d, bs, nb, k_scale, v_scale = 4, 2, 16, 4, 40, 1.0, 0.75
+    specs = [(17, 1), (3, 1), (40, 1)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    cache = torch.randn(2, nb, bs, kvh, d, generator=gen).to(FP8)
+    q, k, v = (torch.randn(3, h, d, generator=gen) for h in (nh, kvh, kvh))
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"))
+    want_cache = cache.clone()
+    want = ref.paged_attention(q, k, v, want_cache, meta, 0.3, k_scale, v_scale)
+    ka.write_kv(cache, k, v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    qp = torch.cat([q, torch.randn(1, nh, d, generator=gen)])
+    tables_p = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    lens_p = torch.cat([lens, torch.zeros(1, dtype=torch.int32)])
+    for splits in (1, 4):
+        out = ka.paged_attention(qp, cache, tables_p, torch.arange(5, dtype=torch.int32), lens_p, 1, 0.3,
+                                 block_n=16, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+        assert rel_err(out[:3], want) < 2e-5, splits
+        assert torch.isfinite(out[3]).all()
+
+
+def test_kernels_refuse_an_unsupported_cache_dtype():
+    cache = torch.zeros(2, 2, 4, 1, 16, dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        ka.write_kv(cache, torch.randn(1, 1, 16), torch.randn(1, 1, 16), torch.tensor([0]))

@@ -12,6 +12,11 @@ an online softmax (fp32). Tiles past a sequence's query length exit at once; for
 batches q_tiles is 1, and for CUDA graphs the grid only depends on the padded batch size.
 
 Padding rows of a CUDA-graph bucket have seq_len 0: their loop is empty and they write zeros.
+
+FP8 KV cache (`--kv-cache-dtype fp8`): the cache may be torch.float8_e4m3fn (Triton's fp8e4nv,
+Hopper's e4m3). Stores write `x / scale` saturated to +-448 (`quantize_fp8_e4m3`); attention loads
+fp8 K/V, widens them to q's dtype for tl.dot (exact: every e4m3 value is a bf16/fp16 value) and
+applies the per-tensor scales for free: k_scale inside the softmax scale, v_scale on the output.
 """
 from __future__ import annotations
 
@@ -20,13 +25,42 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+FP8_E4M3_MAX = 448.0
+# KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
+KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+@triton.jit
+def quantize_fp8_e4m3(x, scale):
+    """`x / scale` (fp32, IEEE division) saturated to +-448 and rounded to nearest-even onto the
+    e4m3 grid, returned as fp32; `.to(fp8 cache dtype)` after it is exact.
+
+    Every KV store into an fp8 cache goes through this one rule (`attention.quantize_kv` is the torch
+    twin, bit for bit). Why round by hand when the GPU's cvt.rn.satfinite is already correct: the
+    same values come out, and Triton's CPU interpreter (the CI tests) rounds fp32 -> fp8 wrongly
+    when the mantissa carries into the exponent (125.3 became 64), while it converts grid values
+    exactly. Saturating first makes out-of-range values clamp instead of becoming NaN.
+    """
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)                      # FP8_E4M3_MAX
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    sign = bits ^ mag                                   # keeps -0.0 as torch's cast does
+    a = mag.to(tl.float32, bitcast=True)
+    # Normal e4m3 range (>= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; the carry
+    # may run into the exponent (that is the rounding up to the next power of two).
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -0x100000
+    # Subnormal range (< 2^-6): multiples of 2^-9; adding 2^23 to a * 2^9 rounds it to an integer.
+    sub = (((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125).to(tl.int32, bitcast=True)
+    r = tl.where(a < 0.015625, sub, normal)
+    return (r | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, o_ptr, part_o_ptr, part_ml_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
-    sm_scale_log2,
+    sm_scale_log2, v_scale,               # softmax scale * log2(e) * k_scale; the fp8 cache's V scale
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,      # cache strides: block, slot in block, kv head (d is 1)
     stride_bt,                            # block table row stride
@@ -80,8 +114,9 @@ def _paged_attn_kernel(
         slot_off = blk.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_off = slot_off[:, None] + dims[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)     # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # An fp8 cache is widened to q's dtype here (a no-op for a cache of q's dtype).
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)     # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale_log2       # [BLOCK_M, BLOCK_N]
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if window > 0:
@@ -99,11 +134,12 @@ def _paged_attn_kernel(
         # Unnormalised partials [T, NUM_SPLITS, nh, d] and (m, l) [T, NUM_SPLITS, nh, 2] (fp32).
         prow = ((q_start + tok) * NUM_SPLITS + split) * NUM_HEADS + head
         st_ok = row_ok[:, None] & d_ok[None, :]
-        tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + dims[None, :], acc, mask=st_ok)
+        # The combine is linear in the partials: V's scale can go in here (x 1.0 is exact).
+        tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + dims[None, :], acc * v_scale, mask=st_ok)
         tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
     else:
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        out = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale
         o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -141,7 +177,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     scale: float, out: torch.Tensor | None = None, sliding_window: int | None = None,
                     block_m: int | None = None, block_n: int | None = None,
                     num_splits: int = 1, num_warps: int | None = None,
-                    num_stages: int = 3) -> torch.Tensor:
+                    num_stages: int = 3, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, nh, d] (row stride free, head dim contiguous); kv_cache: [2, NB, BS, kvh, d];
     block_tables: [S, max_blocks] int32; query_start_loc: [S + 1] int32 (cumulative query
     lengths); seq_lens: [S] int32 (context incl. this step). Returns o [T, nh, d].
@@ -150,6 +186,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     `max_query_len` only sizes the grid: an upper bound is fine (CUDA graphs pass 1).
     `num_splits` > 1 (decode batches only: max_query_len 1) splits each sequence's keys over that
     many programs and combines them in a second kernel, so small batches still fill the GPU.
+    An fp8 cache holds K / k_scale and V / v_scale (write_kv); 1.0 leaves other caches as they were.
     """
     t, nh, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
@@ -167,6 +204,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
     kc, vc = kv_cache[0], kv_cache[1]
     assert q.stride(2) == 1 and kc.stride(3) == 1 and out.stride(2) == 1
+    _check_cache_dtype(kv_cache)
     if num_splits > 1:
         if max_query_len != 1:
             raise ValueError("split-KV attention is for decode batches (max_query_len 1)")
@@ -177,7 +215,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     grid = (num_seqs, q_tiles * num_splits, kvh)
     _paged_attn_kernel[grid](
         q, out, part_o, part_ml, kc, vc, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E,
+        scale * _LOG2E * k_scale, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         sliding_window or 0,
@@ -192,10 +230,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     return out
 
 
+def _check_cache_dtype(kv_cache: torch.Tensor) -> None:
+    # torch.float8_e4m3fn reaches Triton as fp8e4nv (the e4m3 of sm_89+), the type this file assumes.
+    if kv_cache.dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {kv_cache.dtype} is not one of {KV_CACHE_DTYPES}")
+
+
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
-                     stride_kt, stride_vt, stride_cslot,
-                     KVD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KVD: tl.constexpr):
+                     stride_kt, stride_vt, stride_cslot, k_scale, v_scale,
+                     KVD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KVD: tl.constexpr,
+                     FP8: tl.constexpr):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_KVD)
     slot = tl.load(slot_ptr + toks, mask=toks < num_tokens, other=-1).to(tl.int64)
@@ -203,21 +248,27 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
     k = tl.load(k_ptr + toks[:, None] * stride_kt + cols[None, :], mask=ok)
     v = tl.load(v_ptr + toks[:, None] * stride_vt + cols[None, :], mask=ok)
     dst = slot[:, None] * stride_cslot + cols[None, :]
+    if FP8:
+        k = quantize_fp8_e4m3(k, k_scale)
+        v = quantize_fp8_e4m3(v, v_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             block_t: int = 4) -> None:
+             block_t: int = 4, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """k, v: [T, kvh, d] (views of the fused qkv are fine: only the row stride may differ);
-    slot_mapping: [T] int (negative: skip). Scatters into kv_cache [2, NB, BS, kvh, d]."""
+    slot_mapping: [T] int (negative: skip). Scatters into kv_cache [2, NB, BS, kvh, d]; an fp8
+    cache stores k / k_scale and v / v_scale (quantize_fp8_e4m3); the scales matter only there."""
     t, kvh, d = k.shape
     if t == 0:
         return
     kc, vc = kv_cache[0], kv_cache[1]
     assert k.stride(1) == d and v.stride(1) == d and k.stride(2) == 1 and v.stride(2) == 1
+    _check_cache_dtype(kv_cache)
     kvd = kvh * d
     grid = (triton.cdiv(t, block_t),)
     _write_kv_kernel[grid](k, v, kc, vc, slot_mapping, t, k.stride(0), v.stride(0), kc.stride(1),
+                           float(k_scale), float(v_scale),
                            KVD=kvd, BLOCK_T=block_t, BLOCK_KVD=triton.next_power_of_2(kvd),
-                           num_warps=4)
+                           FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4)

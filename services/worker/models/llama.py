@@ -135,6 +135,6 @@ class LlamaModel:
         """Shape of one layer's cache: [2, num_blocks, block_size, kvh, d]."""
         return (2, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
         per_layer = 2 * block_size * self.cfg.num_kv_heads * self.cfg.head_dim
-        return per_layer * self.cfg.num_layers * self.dtype.itemsize
+        return per_layer * self.cfg.num_layers * (kv_dtype or self.dtype).itemsize

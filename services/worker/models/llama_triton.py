@@ -1,9 +1,9 @@
 """The Llama-family forward on a GPU through the Triton kernels (services/worker/kernels/).
 
 Same math as LlamaModel.forward (the torch reference, which stays the CPU path and the oracle),
-fused where it saves a pass over the activations: RoPE rotates q and k in place inside the fused
-qkv output, K/V go straight from that buffer into the paged cache, residual-add + RMSNorm is one
-kernel, SiLU·mul another. GEMMs are cuBLAS through torch.
+fused where it saves a pass over the activations or a launch: one kernel takes the fused qkv output
+through Qwen3's q/k norm, RoPE (in place) and the K/V write into the paged cache; residual-add +
+RMSNorm is one kernel, SiLU·mul another. GEMMs are cuBLAS through torch.
 """
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.worker.kernels.attention import paged_attention, write_kv
-from services.worker.kernels.elementwise import add_rms_norm, rope_, silu_mul
-from services.worker.models.llama import LlamaModel, rms_norm, rope_cos_sin
+from services.worker.kernels.attention import paged_attention
+from services.worker.kernels.embedding import embed_tokens
+from services.worker.kernels.elementwise import add_rms_norm, silu_mul
+from services.worker.kernels.qkv_prep import qkv_prep_
+from services.worker.models.llama import LlamaModel, rope_cos_sin
 
 
 @dataclass
@@ -37,27 +39,29 @@ def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
-                   attn: KernelAttnInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-    """input_ids, positions: [T] long -> final-normed hidden states [T, H]."""
+                   attn: KernelAttnInputs, kv_caches: list[torch.Tensor],
+                   prev_src: torch.Tensor | None = None,
+                   prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids, positions: [T] long -> final-normed hidden states [T, H]. With prev_src [T]
+    long, a row whose prev_src is >= 0 takes its id from prev_tokens[prev_src] (the previous
+    step's sampled ids, still on the device) instead of input_ids."""
     cfg = model.cfg
     t = input_ids.shape[0]
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     cos, sin = rope_tables_f32(model)
-    residual = F.embedding(input_ids, model.embed)                                  # [T, H]
+    if prev_src is None:
+        residual = F.embedding(input_ids, model.embed)                              # [T, H]
+    else:
+        residual = embed_tokens(model.embed, input_ids, prev_src, prev_tokens)
     x = add_rms_norm(residual, model.layers[0].input_norm, eps)
     attn_out = torch.empty(t, nh, d, dtype=model.dtype, device=model.device)
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)                               # [T, (nh+2kvh)*d]
-        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, in place, before RoPE
-            qk = qkv[:, :(nh + kvh) * d].view(t, nh + kvh, d)
-            qk[:, :nh] = rms_norm(qk[:, :nh], layer.q_norm, eps)
-            qk[:, nh:] = rms_norm(qk[:, nh:], layer.k_norm, eps)
-        rope_(qkv, positions, cos, sin, nh + kvh, d)
+        # One kernel: Qwen3's per-head q/k RMSNorm (if any), RoPE in place, K/V into the cache.
+        qkv_prep_(qkv, positions, cos, sin, kv_cache, attn.slot_mapping, nh, kvh, d,
+                  q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
         q = qkv[:, :nh * d].view(t, nh, d)
-        k = qkv[:, nh * d:(nh + kvh) * d].view(t, kvh, d)
-        v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
-        write_kv(kv_cache, k, v, attn.slot_mapping)
         paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
                         attn.max_query_len, model.scale, out=attn_out,
                         sliding_window=cfg.sliding_window, num_splits=attn.num_splits)

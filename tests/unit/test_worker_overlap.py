@@ -1,0 +1,164 @@
+"""Host/GPU overlap in the runner (runner.submit / collect): step N+1 is launched before step
+N's tokens are read, its decode inputs taken from the sampler's device buffer. Driven here by the
+real scheduler core with async scheduling, exactly as the worker's engine loop pipelines it, the
+overlapped runner must produce the very tokens (and logprobs) of the plain synchronous one:
+greedy, seeded sampling, penalties (which need the host's history first), logprobs, chunked
+prefill and preemption. The CPU reference forward and (under Triton's interpreter) the GPU
+executor's forward both read the pending ids through the same src mechanism.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import pytest
+import torch
+
+# The GPU-executor case runs the Triton kernels through the interpreter; like
+# test_worker_kernels.py, set it before any kernel module is imported (decorated).
+os.environ["TRITON_INTERPRET"] = "1"
+
+from services.common import pb  # noqa: E402
+from services.scheduler import wire  # noqa: E402
+from services.scheduler.core import Request, Scheduler, SchedulerConfig  # noqa: E402
+from services.worker.models import load_model  # noqa: E402
+from services.worker.runner import ModelRunner  # noqa: E402
+from tests.unit.tiny_llama import VOCAB, make_tiny_llama  # noqa: E402
+
+BLOCK = 4
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_tiny_llama(tmp_path_factory.mktemp("tiny-overlap"), seed=5))
+
+
+def sampling_mix(i: int) -> pb.common.SamplingParams:
+    """Greedy, seeded random, penalties, logprobs: one kind per request, in turn."""
+    kind = i % 4
+    if kind == 0:
+        return pb.common.SamplingParams(ignore_eos=True)
+    if kind == 1:
+        return pb.common.SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+    if kind == 2:
+        return pb.common.SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True)
+    return pb.common.SamplingParams(temperature=0.7, seed=7 + i, logprobs=3, ignore_eos=True)
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(4, VOCAB, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, executor=None):
+    """Drive the runner with the scheduler core. overlap: two plans in flight and the engine's
+    order (submit N+1, then collect N); otherwise one plan at a time through execute()."""
+    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=num_blocks, block_size=BLOCK)
+    info = runner.hello(BLOCK)
+    if executor is not None:
+        runner.gpu = executor(runner)
+    runner.overlap = overlap
+    cfg = SchedulerConfig(max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8, block_size=BLOCK,
+                          enable_prefix_caching=False)
+    s = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
+    for i, (p, sp) in enumerate(zip(ps, samplings)):
+        s.add_request(Request(f"r{i}", list(p), NEW, sampling=sp, ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    depth = 2 if overlap else 1
+    inflight: deque = deque()
+    max_unresolved = 0
+
+    def finish():
+        plan, handle = inflight.popleft()
+        result = runner.collect(handle) if overlap else handle
+        assert not result.HasField("error"), result.error.message
+        for o in result.outputs:
+            logprobs.setdefault(o.request_id, []).extend(lp.logprob for lp in o.logprobs)
+        for out in s.update(plan, wire.result_from_proto(result)):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    while inflight or s.has_work():
+        if len(inflight) < depth and s.has_work():
+            plan = s.schedule()
+            if not plan.is_empty():
+                msg = wire.plan_to_proto(plan).plan
+                inflight.append((plan, runner.submit(msg) if overlap else runner.execute(msg)))
+                max_unresolved = max(max_unresolved, len(runner._unresolved))
+                if len(inflight) < depth:
+                    continue
+            else:
+                for out in s.take_pending_outputs():
+                    outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if inflight:
+            finish()
+    return outputs, logprobs, s, max_unresolved
+
+
+def test_overlapped_runner_gives_the_synchronous_tokens_and_logprobs(model):
+    ps = prompts(8)
+    sps = [sampling_mix(i) for i in range(8)]
+    want, want_lp, _, _ = run(model, ps, sps, overlap=False, budget=16)   # chunked prefill too
+    got, got_lp, _, depth = run(model, ps, sps, overlap=True, budget=16)
+    assert all(len(v) == NEW for v in want.values())
+    assert got == want
+    assert got_lp.keys() == want_lp.keys()
+    for rid in want_lp:
+        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=1e-5)
+    assert depth == 2, "step N+1 should have been launched before step N was collected"
+
+
+def test_penalties_make_the_runner_read_the_pending_token_first(model):
+    """A penalised request needs its full history on the host: no two steps stay unresolved."""
+    ps = prompts(3)
+    sps = [pb.common.SamplingParams(presence_penalty=1.5, ignore_eos=True)] * 3
+    want, _, _, _ = run(model, ps, sps, overlap=False)
+    got, _, _, depth = run(model, ps, sps, overlap=True)
+    assert got == want
+    assert depth == 1
+
+
+def test_overlap_survives_preemption(model):
+    """9 blocks of 4 tokens for 6 requests: recompute preemptions replace worker state while a
+    token of the replaced request may still be pending."""
+    ps = prompts(6)
+    sps = [sampling_mix(i) for i in range(6)]
+    want, _, _, _ = run(model, ps, sps, overlap=False, num_blocks=64)
+    got, _, s, _ = run(model, ps, sps, overlap=True, num_blocks=9)
+    assert s.num_preemptions > 0
+    assert got == want
+
+
+def test_rejected_plan_while_a_step_is_in_flight_leaves_the_runner_working(model):
+    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=BLOCK)
+    runner.hello(BLOCK)
+    runner.overlap = True
+    plan = pb.step.StepPlan(step_id=1)
+    plan.new_requests.add(request_id="a", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3,
+                          sampling=pb.common.SamplingParams(ignore_eos=True))
+    first = runner.submit(plan)
+    bad = pb.step.StepPlan(step_id=2)
+    bad.cached_requests.add(request_id="a", num_computed_tokens=3, num_scheduled_tokens=2)  # 1 token unknown
+    rejected = runner.submit(bad)
+    assert runner.collect(rejected).error.code == pb.common.ERROR_CODE_INVALID_ARGUMENT
+    tok = runner.collect(first).outputs[0].token_ids[0]
+    good = pb.step.StepPlan(step_id=3)
+    good.cached_requests.add(request_id="a", num_computed_tokens=3, num_scheduled_tokens=1)
+    res = runner.collect(runner.submit(good))
+    assert not res.HasField("error") and len(res.outputs[0].token_ids) == 1
+    assert runner.requests["a"].token_ids[:4] == [5, 6, 7, tok]
+
+
+def test_gpu_executor_path_reads_pending_ids_on_the_device(model, monkeypatch):
+    """The GPU executor's forward (persistent buffers, src row, the Triton embedding kernel that
+    resolves pending ids) under the interpreter: same tokens as the synchronous reference."""
+    pytest.importorskip("triton")
+    from services.worker.gpu_exec import GpuExecutor
+    ps = prompts(3)
+    sps = [sampling_mix(i) for i in (0, 1, 3)]
+    want, _, _, _ = run(model, ps, sps, overlap=False)
+    got, _, _, depth = run(model, ps, sps, overlap=True, executor=lambda r: GpuExecutor(
+        model, r.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None))
+    assert got == want and depth == 2
