@@ -5,7 +5,10 @@ throughput, TTFT vs the compute floor; `--peer` runs the transformers peer on th
   python3 bench/gpu_decode.py --out bench/results/gpu_decode.json
   python3 bench/gpu_decode.py --peer --out peer.json      # separate process (bounded by `timeout`)
 
-Drives ModelRunner.execute in-process with handmade StepPlans (no sockets, no scheduler process).
+Drives the ModelRunner in-process with handmade StepPlans (no sockets, no scheduler process),
+both one step at a time (execute) and pipelined as the worker's engine loop runs it with async
+scheduling (submit step N+1, then collect step N: host work hidden behind the GPU). Runs the
+decode and offline measurements with a bf16 KV cache and again with an fp8 one.
 """
 from __future__ import annotations
 
@@ -120,17 +123,23 @@ def run(runner: ModelRunner, plan: pb.step.StepPlan) -> pb.step.StepResult:
     return res
 
 
+def checked(res: pb.step.StepResult) -> pb.step.StepResult:
+    if res.HasField("error"):
+        raise RuntimeError(res.error.message)
+    return res
+
+
 def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: int, gen) -> dict:
-    """`batch` requests whose first ctx - steps/2 tokens are already cached (random KV), then
-    `steps` decode steps: mean context = ctx."""
-    start = ctx - steps // 2
+    """`batch` requests whose first ctx - steps tokens are already cached (random KV), then
+    `steps` decode steps one at a time and `steps` pipelined: mean context = ctx."""
+    start = ctx - steps
     plan = reqs.plan()
     ids = []
     for i in range(batch):
         rid = f"d{batch}-{i}"
         ids.append(rid)
         plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (start,), generator=gen).tolist(),
-                              block_ids=reqs.blocks(start + steps + 1), num_computed_tokens=start - 1,
+                              block_ids=reqs.blocks(start + 2 * steps + 1), num_computed_tokens=start - 1,
                               num_scheduled_tokens=1, sampling=GREEDY)
     run(runner, plan)
     wall = []
@@ -145,11 +154,26 @@ def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: i
     # GPU time alone: replay the bucket's graph on the last step's staged inputs.
     graph = runner.gpu.graphs.get(batch)
     replay_ms = cuda_time_ms(graph[0].replay, 20) if graph else None
+    # Pipelined, as the engine loop runs with async scheduling: step s+1 is submitted before
+    # step s is collected, its input ids read from the sampler's device buffer.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pending = None
+    for s in range(steps, 2 * steps):
+        plan = reqs.plan()
+        for rid in ids:
+            plan.cached_requests.add(request_id=rid, num_computed_tokens=start + s, num_scheduled_tokens=1)
+        nxt = runner.submit(plan)
+        if pending is not None:
+            checked(runner.collect(pending))
+        pending = nxt
+    checked(runner.collect(pending))
+    pipelined_ms = (time.perf_counter() - t0) * 1e3 / steps
     done = reqs.plan()
     done.finished_ids.extend(ids)
     run(runner, done)
     return {"batch": batch, "mean_context": ctx, "step_ms_median": statistics.median(wall),
-            "graph_replay_ms": replay_ms}
+            "step_ms_pipelined": pipelined_ms, "graph_replay_ms": replay_ms}
 
 
 def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -> dict:
@@ -170,53 +194,55 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
 
 
 def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,
-            token_budget: int, gen, time_cap_s: float) -> dict:
+            token_budget: int, gen, time_cap_s: float, pipelined: bool = True) -> dict:
     """Continuous batching of fixed-length requests (EOS ignored): decodes first, then whole
-    prompts while the token budget and max_seqs allow. Blocks for prompt + output up front."""
+    prompts while the token budget and max_seqs allow; blocks for prompt + output up front.
+    Plans are made ahead like the scheduler's async scheduling (a request's outputs are counted
+    when planned); pipelined: two steps in flight (submit N+1, collect N), else one."""
     free = list(range(runner.num_blocks))
     need = -(-(in_len + out_len) // BS)
     waiting = list(range(num_requests))
     prompts = {i: torch.randint(0, 128000, (in_len,), generator=gen).tolist() for i in waiting}
-    running: dict[str, list] = {}  # rid -> [outputs, blocks]
+    running: dict[str, list] = {}  # rid -> [outputs planned, blocks]
     finished: list[str] = []
-    out_tokens, steps, prefill_steps = 0, 0, 0
-    max_batch = 0
+    out_tokens, steps, prefill_steps, max_batch = 0, 0, 0, 0
+    inflight: list = []
+    depth = 2 if pipelined else 1
     t0 = time.perf_counter()
-    while waiting or running:
-        plan = pb.step.StepPlan(step_id=steps, finished_ids=finished)
-        finished = []
-        budget = token_budget
-        for rid, (outs, _) in running.items():
-            plan.cached_requests.add(request_id=rid, num_computed_tokens=in_len + outs - 1, num_scheduled_tokens=1)
-            budget -= 1
-        admitted = []
-        while waiting and len(running) + len(admitted) < max_seqs and budget >= in_len and len(free) >= need:
-            i = waiting.pop(0)
-            blocks = [free.pop() for _ in range(need)]
-            rid = f"o{i}"
-            plan.new_requests.add(request_id=rid, token_ids=prompts.pop(i), block_ids=blocks,
-                                  num_scheduled_tokens=in_len, sampling=GREEDY)
-            admitted.append((rid, blocks))
-            budget -= in_len
-        prefill_steps += bool(admitted)
-        res = run(runner, plan)
-        for rid, blocks in admitted:
-            running[rid] = [0, blocks]
-        max_batch = max(max_batch, len(running))
-        for o in res.outputs:
-            if o.token_ids:
-                running[o.request_id][0] += 1
-                out_tokens += 1
-        for rid in [r for r, (n, _) in running.items() if n >= out_len]:
-            free += running.pop(rid)[1]
-            finished.append(rid)
-        steps += 1
-        if time.perf_counter() - t0 > time_cap_s:
+    while waiting or running or inflight:
+        if (waiting or running) and len(inflight) < depth and time.perf_counter() - t0 < time_cap_s:
+            plan = pb.step.StepPlan(step_id=steps, finished_ids=finished)
+            finished = []
+            budget = token_budget
+            for rid, st in running.items():
+                plan.cached_requests.add(request_id=rid, num_computed_tokens=in_len + st[0] - 1,
+                                         num_scheduled_tokens=1)
+                st[0] += 1
+                budget -= 1
+            while waiting and len(running) < max_seqs and budget >= in_len and len(free) >= need:
+                i = waiting.pop(0)
+                rid = f"o{i}"
+                running[rid] = [1, [free.pop() for _ in range(need)]]
+                plan.new_requests.add(request_id=rid, token_ids=prompts.pop(i), block_ids=running[rid][1],
+                                      num_scheduled_tokens=in_len, sampling=GREEDY)
+                budget -= in_len
+            prefill_steps += len(plan.new_requests) > 0
+            max_batch = max(max_batch, len(running))
+            for rid in [r for r, st in running.items() if st[0] >= out_len]:
+                free += running.pop(rid)[1]   # reused only by later steps: stream order keeps it safe
+                finished.append(rid)
+            inflight.append(runner.submit(plan))
+            steps += 1
+            if len(inflight) < depth:
+                continue
+        if not inflight:
             break
+        res = checked(runner.collect(inflight.pop(0)))
+        out_tokens += sum(len(o.token_ids) for o in res.outputs)
     wall = time.perf_counter() - t0
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
     return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
-            "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget,
+            "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget, "pipelined": pipelined,
             "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
             "steps": steps, "prefill_steps": prefill_steps, "max_running": max_batch}
 
@@ -336,6 +362,28 @@ def peer(args, save) -> dict:
     return result
 
 
+def kv_runner(model: LlamaModel, kv_gib: float, kv_dtype) -> ModelRunner:
+    runner = ModelRunner(model, model_name="llama31-8b-random", kv_cache_bytes=int(kv_gib * 2 ** 30), block_size=BS,
+                         kv_cache_dtype=kv_dtype)
+    runner.hello(BS)
+    for kv in runner.kv_caches:  # random cached context, never time on zeros
+        kv.copy_(torch.randn(kv.shape, device=kv.device, dtype=torch.bfloat16))
+    return runner
+
+
+def profile_replay(runner: ModelRunner, batch: int) -> list:
+    """Kernels of one replay of the decode graph of `batch` rows (last staged inputs)."""
+    from torch.profiler import ProfilerActivity, profile
+    graph = runner.gpu.graphs[batch][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [{"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_decode.json")
@@ -346,11 +394,13 @@ def main() -> int:
     p.add_argument("--in-len", type=int, default=1024)
     p.add_argument("--out-len", type=int, default=1024)
     p.add_argument("--requests", type=int, default=512)
-    p.add_argument("--max-seqs", type=int, default=384)
+    p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value")
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--kv-gib", type=float, default=96.0)
+    p.add_argument("--kv-dtypes", default="bf16,fp8", help="KV cache dtypes to run: bf16, fp8")
     p.add_argument("--offline-cap-s", type=float, default=150.0)
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--offline-sync", action="store_true", help="also run offline one step at a time (bf16)")
     args = p.parse_args()
     out = Path(args.out)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -370,52 +420,65 @@ def main() -> int:
     t0 = time.perf_counter()
     model = build_model(cfg, 4096)
     params = n_params(model)
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-    res["model"] = {"params": params, "weight_bytes": 2 * params, "kv_bytes_per_token": kv_per_token}
-    runner = ModelRunner(model, model_name="llama31-8b-random", kv_cache_bytes=int(args.kv_gib * 2 ** 30), block_size=BS)
-    runner.hello(BS)
-    for kv in runner.kv_caches:
-        kv.normal_()  # random cached context, never time on zeros
-    t1 = time.perf_counter()
-    runner.gpu.capture_all()
-    torch.cuda.synchronize()
-    res["setup"] = {"build_s": t1 - t0, "graph_capture_s": time.perf_counter() - t1, "num_kv_blocks": runner.num_blocks,
-                    "graph_sizes": runner.gpu.graph_sizes}
-    print("setup", res["setup"], flush=True)
+    kv_elems_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    res["model"] = {"params": params, "weight_bytes": 2 * params, "kv_bytes_per_token": 2 * kv_elems_per_token,
+                    "build_s": time.perf_counter() - t0}
     gen = torch.Generator().manual_seed(0)
-    res["decode"] = []
-    for b in (1, 64, 256):
-        reqs = Reqs(runner.num_blocks)
-        r = decode_steps(runner, reqs, b, 1536, 30, gen)
-        floor = (2 * params + b * 1536 * kv_per_token)
-        r["floor_ms_at_4.3TBps"] = floor / COPY_TBPS_NOMINAL * 1e3
-        r["floor_ms_at_measured_bw"] = floor / bw * 1e3
-        r["ratio_to_floor_4.3"] = r["step_ms_median"] / r["floor_ms_at_4.3TBps"]
-        if r["graph_replay_ms"]:
-            r["replay_ratio_to_floor_4.3"] = r["graph_replay_ms"] / r["floor_ms_at_4.3TBps"]
-        res["decode"].append(r)
-        save()
-        print("decode", r, flush=True)
-    reqs = Reqs(runner.num_blocks)
-    r = ttft(runner, reqs, 1024, gen)
-    r["compute_floor_ms_at_790T"] = 2 * params * 1024 / GEMM_FLOPS_NOMINAL * 1e3
-    r["compute_floor_ms_at_measured"] = 2 * params * 1024 / res["ceilings"]["gemm_bf16_8192_flops"] * 1e3
-    res["ttft"] = r
-    save()
-    print("ttft", r, flush=True)
-    if not args.skip_offline:
-        r = offline(runner, args.requests, args.max_seqs, args.in_len, args.out_len, args.token_budget, gen,
-                    args.offline_cap_s)
-        res["offline"] = r
-        save()
-        print("offline", r, flush=True)
-    try:
-        res["profile_prefill_1024"] = profile_prefill(runner, Reqs(runner.num_blocks), 1024, gen)
-        res["profile_decode_b256_eager"] = profile_step(runner, Reqs(runner.num_blocks), 256, 1536, gen, None)
-    except Exception as exc:  # noqa: BLE001
-        res["profile_error"] = repr(exc)
-    save()
-    print(json.dumps(res.get("profile_decode_b256_eager")), flush=True)
+    res["decode"], res["offline"] = [], []
+    for kv_name in args.kv_dtypes.split(","):
+        kv_dtype = {"bf16": None, "fp8": torch.float8_e4m3fn}[kv_name]
+        kv_bytes = kv_elems_per_token * (1 if kv_dtype is not None else 2)
+        runner = kv_runner(model, args.kv_gib, kv_dtype)
+        t1 = time.perf_counter()
+        runner.gpu.capture_all()
+        torch.cuda.synchronize()
+        res.setdefault("setup", {})[kv_name] = {"graph_capture_s": time.perf_counter() - t1,
+                                                "num_kv_blocks": runner.num_blocks, "graph_sizes": runner.gpu.graph_sizes}
+        print("setup", kv_name, res["setup"][kv_name], flush=True)
+        for b in (1, 64, 256):
+            r = decode_steps(runner, Reqs(runner.num_blocks), b, 1536, 30, gen)
+            floor = 2 * params + b * 1536 * kv_bytes
+            r["kv_cache"] = kv_name
+            r["floor_ms_at_4.3TBps"] = floor / COPY_TBPS_NOMINAL * 1e3
+            r["floor_ms_at_measured_bw"] = floor / bw * 1e3
+            for key in ("step_ms_median", "step_ms_pipelined", "graph_replay_ms"):
+                if r.get(key):
+                    r[f"{key}_ratio_to_floor_4.3"] = r[key] / r["floor_ms_at_4.3TBps"]
+            res["decode"].append(r)
+            save()
+            print("decode", r, flush=True)
+        if kv_dtype is None:
+            r = ttft(runner, Reqs(runner.num_blocks), 1024, gen)
+            r["compute_floor_ms_at_790T"] = 2 * params * 1024 / GEMM_FLOPS_NOMINAL * 1e3
+            r["compute_floor_ms_at_measured"] = 2 * params * 1024 / res["ceilings"]["gemm_bf16_8192_flops"] * 1e3
+            res["ttft"] = r
+            save()
+            print("ttft", r, flush=True)
+            try:
+                res["profile_decode_b1_replay"] = profile_replay(runner, 1)
+            except Exception as exc:  # noqa: BLE001
+                res["profile_error_replay"] = repr(exc)
+        if not args.skip_offline:
+            runs = [(int(m), True) for m in args.max_seqs.split(",")]
+            if args.offline_sync and kv_dtype is None:
+                runs.append((runs[0][0], False))
+            for max_seqs, pipelined in runs:
+                r = offline(runner, args.requests, max_seqs, args.in_len, args.out_len, args.token_budget, gen,
+                            args.offline_cap_s, pipelined)
+                r["kv_cache"] = kv_name
+                res["offline"].append(r)
+                save()
+                print("offline", r, flush=True)
+        if kv_dtype is None:
+            try:
+                res["profile_prefill_1024"] = profile_prefill(runner, Reqs(runner.num_blocks), 1024, gen)
+                res["profile_decode_b1_eager"] = profile_step(runner, Reqs(runner.num_blocks), 1, 1536, gen, None)
+                res["profile_decode_b256_eager"] = profile_step(runner, Reqs(runner.num_blocks), 256, 1536, gen, None)
+            except Exception as exc:  # noqa: BLE001
+                res["profile_error"] = repr(exc)
+            save()
+        del runner
+        torch.cuda.empty_cache()
     return 0
 
 

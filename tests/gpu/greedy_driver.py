@@ -1,13 +1,15 @@
-"""Greedy continuations with top-2 logprobs through ModelRunner.execute, identical on CPU and
-GPU (one prefill step for every prompt, then decode steps), for the SmolLM2 parity check."""
+"""Greedy continuations with top-2 logprobs through ModelRunner.execute (or submit / collect),
+identical on CPU and GPU (one prefill step for every prompt, then decode steps), for the SmolLM2
+parity check."""
 from __future__ import annotations
 
 from services.common import pb
 from services.worker.runner import ModelRunner
 
 
-def greedy_with_top2(runner: ModelRunner, prompts: list[list[int]], max_new: int):
-    """-> (tokens [P][max_new], top2 [P][max_new] of ((id, logprob), (id, logprob)))."""
+def greedy_with_top2(runner: ModelRunner, prompts: list[list[int]], max_new: int, pipelined: bool = False):
+    """-> (tokens [P][max_new], top2 [P][max_new] of ((id, logprob), (id, logprob))).
+    pipelined: submit step N+1 before collecting step N, as the worker's engine loop does."""
     bs = runner.block_size
     plan = pb.step.StepPlan(step_id=0)
     next_block = 0
@@ -19,18 +21,29 @@ def greedy_with_top2(runner: ModelRunner, prompts: list[list[int]], max_new: int
         next_block += n
     toks = [[] for _ in prompts]
     top2 = [[] for _ in prompts]
-    for step in range(max_new):
-        res = runner.execute(plan)
+    def take(res):
         if res.HasField("error"):
             raise RuntimeError(res.error.message)
         for out in res.outputs:
             i = int(out.request_id[1:])
             toks[i].append(out.token_ids[0])
             top2[i].append([(t.token_id, t.logprob) for t in out.logprobs[0].top])
+
+    pending = None
+    for step in range(max_new):
+        if not pipelined:  # anything with execute(plan): the runner, or tp_worker's ZMQ client
+            take(runner.execute(plan))
+        else:
+            submitted = runner.submit(plan)
+            if pending is not None:
+                take(runner.collect(pending))
+            pending = submitted
         plan = pb.step.StepPlan(step_id=step + 1)
         for i, p in enumerate(prompts):
             plan.cached_requests.add(request_id=f"p{i}", num_computed_tokens=len(p) + step,
                                      num_scheduled_tokens=1)
+    if pending is not None:
+        take(runner.collect(pending))
     runner.execute(pb.step.StepPlan(step_id=max_new + 1, finished_ids=[f"p{i}" for i in range(len(prompts))]))
     return toks, top2
 

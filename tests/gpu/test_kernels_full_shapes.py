@@ -60,6 +60,64 @@ def test_paged_attention_full_shapes_bf16(nh, kvh, d, mixed):
     assert rel_err(out, want) < BF16_TOL
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_roundtrip(x, scale):
+    """What an fp8 cache gives back for x: the reference quantization, dequantized to fp32."""
+    return ref.quantize_kv(x, FP8, scale).float() * scale
+
+
+# Llama-3-8B shape; scales 1.0 (what --kv-cache-dtype fp8 uses) and non-trivial ones
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.5, 2.0)])
+@pytest.mark.parametrize("mixed", [True, False])
+def test_paged_attention_full_shapes_fp8_cache(mixed, k_scale, v_scale):
+    """bf16 q over an fp8 (e4m3fn) cache: 2,048-token decodes (split-KV when decode-only), a
+    1,024-token prefill and a chunk after a prefix, vs fp32 torch over the same dequantized cache."""
+    from services.worker.kernels.attention import decode_splits, paged_attention, write_kv
+    nh, kvh, d, bs, nb = 32, 8, 128, 16, 1200
+    specs = [(1535, 1), (99, 1), (16, 1), (2047, 1)] + ([(0, 1024), (700, 512), (33, 95)] if mixed else [])
+    seqs, tables, qsl, lens = batch(specs, bs, nb, 3)
+    t = sum(s for _, s in specs)
+    g = torch.Generator(device=DEV).manual_seed(17)
+    cache = (torch.randn(2, nb, bs, kvh, d, device=DEV, generator=g) * 3).to(FP8)
+    q = torch.randn(t, nh, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = (torch.randn(t, kvh, d, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    v = torch.randn(t, kvh, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    meta = ref.build_attn_metadata(seqs, bs, DEV)
+    deq = torch.stack([cache[0].float() * k_scale, cache[1].float() * v_scale])
+    want = ref.paged_attention(q.float(), fp8_roundtrip(k.float(), k_scale), fp8_roundtrip(v.float(), v_scale),
+                               deq, meta, d ** -0.5)
+    write_kv(cache, k, v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    slots = meta.slot_mapping
+    for i, (x, sc) in enumerate(((k, k_scale), (v, v_scale))):
+        stored = cache[i].view(torch.uint8).view(-1, kvh, d)[slots]
+        assert torch.equal(stored, ref.quantize_kv(x, FP8, sc).view(torch.uint8))
+    splits = 1 if mixed else decode_splits(len(specs), kvh)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, cache, tables, qsl, lens, max(s for _, s in specs), d ** -0.5, out=out,
+                    num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, want) < BF16_TOL
+
+
+def test_write_kv_fp8_saturates_and_matches_torch_bit_for_bit():
+    """Values over fp8's whole range (subnormals, ties, beyond 448) at a full decode-batch shape:
+    the kernel's rounding + the GPU's cvt give torch's cast of the clamped value, never NaN."""
+    from services.worker.kernels.attention import write_kv
+    t, kvh, d, bs, nb = 512, 8, 128, 16, 64
+    g = torch.Generator(device=DEV).manual_seed(5)
+    mag = torch.exp2(torch.rand(2, t, kvh, d, device=DEV, generator=g) * 22 - 12)
+    kv = (mag * torch.randn(2, t, kvh, d, device=DEV, generator=g).sign()).to(torch.bfloat16)
+    cache = torch.zeros(2, nb, bs, kvh, d, device=DEV, dtype=FP8)
+    slots = torch.randperm(nb * bs, device=DEV, generator=g)[:t]
+    write_kv(cache, kv[0], kv[1], slots)
+    for i in range(2):
+        stored = cache[i].view(torch.uint8).view(-1, kvh, d)[slots]
+        assert torch.equal(stored, ref.quantize_kv(kv[i], FP8).view(torch.uint8))
+    assert not cache.float().isnan().any()
+
+
 def test_add_rms_norm_full_shape_bf16():
     from services.worker.kernels.elementwise import add_rms_norm
     x, res = torch.randn(2, 777, 4096, device=DEV, dtype=torch.bfloat16)

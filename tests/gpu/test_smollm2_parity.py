@@ -37,11 +37,12 @@ def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_reference(model_dir):
     ref = json.loads(REF.read_text())
     model = load_model(model_dir, "cuda", torch.bfloat16, max_model_len=512)
     report = {}
-    for mode, eager in (("cuda_graphs", False), ("eager", True)):
+    for mode, eager, pipelined in (("cuda_graphs", False, False), ("eager", True, False),
+                                   ("cuda_graphs_pipelined", False, True)):
         runner = ModelRunner(model, model_name="smollm2", kv_cache_bytes=0, num_kv_blocks=128,
                              block_size=16, enforce_eager=eager)
         runner.hello(16)
-        toks, top2 = greedy_with_top2(runner, ref["prompts"], ref["max_new"])
+        toks, top2 = greedy_with_top2(runner, ref["prompts"], ref["max_new"], pipelined)
         report[mode] = compare(ref["tokens"], ref["top2"], toks, top2)
         report[mode]["tokens"] = toks
     out_dir = os.environ.get("MESHLLM_GPU_REPORT_DIR")
@@ -54,5 +55,6 @@ def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_reference(model_dir):
             print(f"  prompt {row['prompt']}: diverges at output {row['diverges_at']}, "
                   f"ref top-2 gap {row['ref_gap']:.3f} nats, gpu gap {row['got_gap']:.3f}")
     assert report["eager"]["tokens"] == g["tokens"], "graph replay and eager runs must agree"
+    assert report["cuda_graphs_pipelined"]["tokens"] == g["tokens"], "pipelined steps must not change tokens"
     assert g["matches"] >= g["prompts"] // 2
     assert all(r["match"] or r["ref_gap"] < NEAR_TIE for r in g["rows"])

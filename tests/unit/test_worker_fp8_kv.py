@@ -63,36 +63,41 @@ def smollm2(smollm2_dir):
     return load_model(smollm2_dir), [tok.encode(t).ids for t in TEXTS]
 
 
-def logits_along(model, kv_dtype, tokens: list[int], decodes: int = 4) -> torch.Tensor:
-    """Logits of every position of `tokens`: all but the last `decodes` as one prefill chunk, then
-    one token per step, so both the prefill and the decode attention read the cache."""
-    n = len(tokens)
-    nb = -(-n // BLOCK)
-    caches = [torch.zeros(model.kv_cache_shape(nb, BLOCK), dtype=kv_dtype) for _ in model.layers]
-    blocks = list(range(nb))[::-1]   # a non-trivial block table
-    out, done = [], 0
-    for step in [n - decodes] + [1] * decodes:
-        meta = build_attn_metadata([SeqSchedule(blocks, done, step)], BLOCK, torch.device("cpu"))
-        hidden = model.forward(torch.tensor(tokens[done:done + step]), torch.arange(done, done + step),
-                               meta, caches)
-        out.append(model.compute_logits(hidden))
-        done += step
-    return torch.cat(out)
+def logits_along(model, kv_dtype, prompts: list[list[int]], decodes: int = 2) -> list[torch.Tensor]:
+    """Logits of every position of each prompt, all prompts batched in each step: all but their
+    last `decodes` tokens as prefill chunks, then one token per step, so both the prefill and the
+    decode attention read the cache."""
+    nbs = [-(-len(p) // BLOCK) for p in prompts]
+    caches = [torch.zeros(model.kv_cache_shape(sum(nbs), BLOCK), dtype=kv_dtype) for _ in model.layers]
+    # disjoint, reversed block tables: nothing relies on blocks being in order
+    tables = [list(range(sum(nbs[:i]), sum(nbs[:i + 1])))[::-1] for i in range(len(prompts))]
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    done = [0] * len(prompts)
+    for step in range(decodes + 1):
+        counts = [len(p) - decodes if step == 0 else 1 for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: counts[i] != 1)   # single tokens first
+        seqs = [SeqSchedule(tables[i], done[i], counts[i]) for i in order]
+        ids = [t for i in order for t in prompts[i][done[i]:done[i] + counts[i]]]
+        pos = [q for i in order for q in range(done[i], done[i] + counts[i])]
+        meta = build_attn_metadata(seqs, BLOCK, torch.device("cpu"))
+        logits = model.compute_logits(model.forward(torch.tensor(ids), torch.tensor(pos), meta, caches))
+        for i, part in zip(order, logits.split([counts[i] for i in order])):
+            out[i].append(part)
+            done[i] += counts[i]
+    return [torch.cat(o) for o in out]
 
 
 @torch.inference_mode()
 def test_fp8_cache_logits_stay_close_to_the_fp32_cache(smollm2):
     """SmolLM2-135M teacher-forced on four real prompts: the fp8 cache (scale 1.0, no
     calibration) moves the logits by a few percent and rarely the argmax. Measured here:
-    relative error 0.025-0.081 per prompt, argmax agreement 60 of 63 positions."""
+    relative error 0.025-0.081 per prompt, argmax agreement 61 of 63 positions; greedy: the
+    runner test below gets 20 of 20 tokens identical."""
     model, ids = smollm2
-    errs, agree, total = [], 0, 0
-    for p in ids:
-        ref = logits_along(model, torch.float32, p)
-        got = logits_along(model, FP8, p)
-        errs.append(((got - ref).norm() / ref.norm()).item())
-        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-        total += len(p)
+    refs, gots = logits_along(model, torch.float32, ids), logits_along(model, FP8, ids)
+    errs = [((got - ref).norm() / ref.norm()).item() for ref, got in zip(refs, gots)]
+    agree = sum(int((got.argmax(-1) == ref.argmax(-1)).sum()) for ref, got in zip(refs, gots))
+    total = sum(len(p) for p in ids)
     assert max(errs) < 0.15, errs
     assert agree >= 0.85 * total, (agree, total)
     assert min(errs) > 1e-3, errs      # not the same computation: the cache really is fp8
@@ -102,7 +107,7 @@ def run_greedy(model, kv_dtype, ps: list[list[int]], max_new: int) -> dict[str, 
     r = ModelRunner(model, model_name="smol", kv_cache_bytes=0, num_kv_blocks=64, block_size=BLOCK,
                     kv_cache_dtype=kv_dtype)
     r.hello(BLOCK)
-    sched = MiniScheduler(r.execute, BLOCK, 64, budget=16)   # chunked prefill and mixed steps
+    sched = MiniScheduler(r.execute, BLOCK, 64, budget=40)   # chunked prefill and mixed steps
     for i, p in enumerate(ps):
         sched.add(f"r{i}", p, max_new)
     return sched.run()
@@ -111,12 +116,12 @@ def run_greedy(model, kv_dtype, ps: list[list[int]], max_new: int) -> dict[str, 
 @torch.inference_mode()
 def test_runner_with_fp8_cache_keeps_the_fp32_cache_greedy_start(smollm2):
     model, ids = smollm2
-    want = run_greedy(model, None, ids, 6)
-    got = run_greedy(model, FP8, ids, 6)
+    want = run_greedy(model, None, ids, 5)
+    got = run_greedy(model, FP8, ids, 5)
     for rid, toks in want.items():
         assert got[rid][:2] == toks[:2], rid       # the first tokens agree for every prompt
     same = sum(a == b for rid in want for a, b in zip(got[rid], want[rid]))
-    assert same >= 0.6 * len(ids) * 6, (got, want)
+    assert same >= 0.75 * len(ids) * 5, (got, want)
 
 
 def test_kv_cache_dtype_flag_validation_and_plumbing(tiny_dir):

@@ -279,3 +279,31 @@ def test_kernels_refuse_an_unsupported_cache_dtype():
     cache = torch.zeros(2, 2, 4, 1, 16, dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="KV cache dtype"):
         ka.write_kv(cache, torch.randn(1, 1, 16), torch.randn(1, 1, 16), torch.tensor([0]))
+
+
+def test_kernel_forward_with_fp8_cache_gives_the_reference_fp8_greedy_tokens(tmp_path):
+    """The GPU executor's path over an fp8 cache (fused q/k prep + KV store, paged attention with
+    split-KV decodes) samples the torch reference's tokens over an fp8 cache: both store the same
+    bytes (quantize_fp8_e4m3 == attention.quantize_kv) and attend in fp32."""
+    from services.worker.gpu_exec import GpuExecutor
+    from services.worker.models import load_model
+    from services.worker.runner import ModelRunner
+    from tests.unit.tiny_llama import make_tiny_llama
+    from tests.worker_driver import MiniScheduler
+
+    model = load_model(make_tiny_llama(tmp_path, seed=4))
+    prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
+    outs = []
+    for kernels in (False, True):
+        runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=4,
+                             kv_cache_dtype=FP8)
+        runner.hello(4)
+        assert runner.kv_caches[0].dtype == FP8
+        if kernels:
+            runner.gpu = GpuExecutor(model, runner.kv_caches, 4, max_num_tokens=64, max_num_seqs=4,
+                                     graph_sizes=None)
+        sched = MiniScheduler(runner.execute, 4, 16, budget=6)
+        for i, p in enumerate(prompts):
+            sched.add(f"r{i}", p, 5)
+        outs.append(sched.run())
+    assert outs[0] == outs[1]

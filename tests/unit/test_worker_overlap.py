@@ -9,8 +9,6 @@ executor's forward both read the pending ids through the same src mechanism.
 from __future__ import annotations
 
 import os
-from collections import deque
-
 import pytest
 import torch
 
@@ -19,82 +17,20 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 
 from services.common import pb  # noqa: E402
-from services.scheduler import wire  # noqa: E402
-from services.scheduler.core import Request, Scheduler, SchedulerConfig  # noqa: E402
 from services.worker.models import load_model  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
+from tests.overlap_driver import BLOCK, NEW, run, sampling_mix  # noqa: E402
+from tests.overlap_driver import prompts as _prompts  # noqa: E402
 from tests.unit.tiny_llama import VOCAB, make_tiny_llama  # noqa: E402
 
-BLOCK = 4
-NEW = 10
+
+def prompts(n: int) -> list[list[int]]:
+    return _prompts(n, VOCAB)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_model(make_tiny_llama(tmp_path_factory.mktemp("tiny-overlap"), seed=5))
-
-
-def sampling_mix(i: int) -> pb.common.SamplingParams:
-    """Greedy, seeded random, penalties, logprobs: one kind per request, in turn."""
-    kind = i % 4
-    if kind == 0:
-        return pb.common.SamplingParams(ignore_eos=True)
-    if kind == 1:
-        return pb.common.SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
-    if kind == 2:
-        return pb.common.SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True)
-    return pb.common.SamplingParams(temperature=0.7, seed=7 + i, logprobs=3, ignore_eos=True)
-
-
-def prompts(n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(4, VOCAB, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, executor=None):
-    """Drive the runner with the scheduler core. overlap: two plans in flight and the engine's
-    order (submit N+1, then collect N); otherwise one plan at a time through execute()."""
-    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=num_blocks, block_size=BLOCK)
-    info = runner.hello(BLOCK)
-    if executor is not None:
-        runner.gpu = executor(runner)
-    runner.overlap = overlap
-    cfg = SchedulerConfig(max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8, block_size=BLOCK,
-                          enable_prefix_caching=False)
-    s = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
-    for i, (p, sp) in enumerate(zip(ps, samplings)):
-        s.add_request(Request(f"r{i}", list(p), NEW, sampling=sp, ignore_eos=True))
-    outputs: dict[str, list[int]] = {}
-    logprobs: dict[str, list[float]] = {}
-    depth = 2 if overlap else 1
-    inflight: deque = deque()
-    max_unresolved = 0
-
-    def finish():
-        plan, handle = inflight.popleft()
-        result = runner.collect(handle) if overlap else handle
-        assert not result.HasField("error"), result.error.message
-        for o in result.outputs:
-            logprobs.setdefault(o.request_id, []).extend(lp.logprob for lp in o.logprobs)
-        for out in s.update(plan, wire.result_from_proto(result)):
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-
-    while inflight or s.has_work():
-        if len(inflight) < depth and s.has_work():
-            plan = s.schedule()
-            if not plan.is_empty():
-                msg = wire.plan_to_proto(plan).plan
-                inflight.append((plan, runner.submit(msg) if overlap else runner.execute(msg)))
-                max_unresolved = max(max_unresolved, len(runner._unresolved))
-                if len(inflight) < depth:
-                    continue
-            else:
-                for out in s.take_pending_outputs():
-                    outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if inflight:
-            finish()
-    return outputs, logprobs, s, max_unresolved
 
 
 def test_overlapped_runner_gives_the_synchronous_tokens_and_logprobs(model):
