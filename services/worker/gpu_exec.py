@@ -1,17 +1,23 @@
 """GPU step execution: persistent device input buffers, the Triton forward, CUDA graphs for
 decode-only steps (padded batch buckets).
 
-Per step the host writes the flattened inputs into two pinned staging buffers and copies each to
-its persistent device twin in one asynchronous copy; every kernel reads views of those buffers,
-so a captured graph replays on whatever the last copy put there. The only host synchronisation
-of a step is reading the sampled ids (sampling.py).
+Per step the host writes the flattened inputs into pinned staging buffers and copies them to
+their persistent device twins in two asynchronous copies; every kernel reads views of those
+buffers, so a captured graph replays on whatever the last copy put there. The only host
+synchronisation of a step is reading the sampled ids (sampling.py).
 
 Device buffers (N = max_num_tokens, S = max_num_seqs, MB = max blocks per sequence):
-  i64  [4, N]: input ids, positions, slot mapping (-1 = padding: the KV write skips it),
-               id source (>= 0: the id is prev_tokens[src], sampled by the step before, which
-               the host has not read yet; -1: the host's id)
-  prev_tokens [S] long: the sampler writes each step's ids here (runner.py's overlap)
-  i32  [S * MB + (S + 1) + S]: block tables [S, MB], query start locations [S + 1], seq lens [S]
+  i64 [4 * N] holds, for a step of T tokens (T = the padded batch of a graph bucket), four
+      contiguous rows of T at [0, 4T): input ids, positions, slot mapping (-1 = padding: the KV
+      write skips it), id source (>= 0: the id is prev_tokens[src], sampled by the step before,
+      which the host has not read yet; -1: the host's id). One copy of 4T values per step.
+  i32 [(S + 1) + S + S * MB]: query start locations, seq lens, block tables (row stride MB);
+      a step copies the prefix up to its last table row.
+  prev_tokens [S] long: the sampler writes each step's ids here (runner.py's overlap).
+
+Staging is double-buffered: with step overlap the host fills step N+1's inputs while step N may
+not have copied its own yet, so consecutive steps use alternate pinned buffers, and a buffer is
+refilled only after the event recorded behind its last copy.
 """
 from __future__ import annotations
 
@@ -41,73 +47,75 @@ class GpuExecutor:
         self.max_blocks = -(-model.max_model_len // block_size)
         dev = model.device
         s, mb = max_num_seqs, self.max_blocks
-        self.i64 = torch.zeros(4, max_num_tokens, dtype=torch.long, device=dev)
+        self.i64 = torch.zeros(4 * max_num_tokens, dtype=torch.long, device=dev)
         self.prev_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
-        self.i32 = torch.zeros(s * mb + 2 * s + 1, dtype=torch.int32, device=dev)
+        self.i32 = torch.zeros(2 * s + 1 + s * mb, dtype=torch.int32, device=dev)
+        self.qsl = self.i32[:s + 1]
+        self.lens = self.i32[s + 1:2 * s + 1]
+        self.tables = self.i32[2 * s + 1:].view(s, mb)
         # Pinned staging so the copies are asynchronous (CPU runs, under the Triton interpreter in
-        # tests, use plain memory).
+        # tests, use plain memory); two sets, used by alternate steps.
         pin = dev.type == "cuda"
-        self.h64 = torch.zeros(self.i64.shape, dtype=torch.long, pin_memory=pin)
-        self.h32 = torch.zeros(self.i32.shape, dtype=torch.int32, pin_memory=pin)
-        self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
-        self.n_tables = self.n32[:s * mb].reshape(s, mb)
-        self.n_qsl = self.n32[s * mb:s * mb + s + 1]
-        self.n_lens = self.n32[s * mb + s + 1:]
-        self.tables = self.i32[:s * mb].view(s, mb)
-        self.qsl = self.i32[s * mb:s * mb + s + 1]
-        self.lens = self.i32[s * mb + s + 1:]
+        self._staging = [_Staging(self.i64.shape[0], self.i32.shape[0], s, mb, pin) for _ in range(2)]
+        self._turn = 0
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if pin else 4
         self.graph_sizes = sorted(b for b in (graph_sizes or ()) if b <= max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Per table row: (the block-id list it was filled from, how many blocks are written).
-        self._row_owner: list[tuple[list | None, int]] = [(None, 0)] * max_num_seqs
         self.pool = None
 
     # ---- inputs ---------------------------------------------------------------------------
     def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], pad_to: int = 0,
-               src: list[int] | None = None) -> None:
-        """Fill the pinned buffers and copy them to the device (async, stream-ordered)."""
+               src: list[int] | None = None) -> int:
+        """Fill a pinned buffer set and copy it to the device (async, stream-ordered) -> T, the
+        row length of this step's i64 layout (tokens, or the padded graph batch)."""
         t, n = len(ids), len(seqs)
         bs = self.block_size
-        self.n64[0, :t] = ids
-        self.n64[3, :t] = -1 if src is None else src
+        st = self._staging[self._turn]
+        self._turn ^= 1
+        st.wait()
+        rows, toks = max(n, pad_to), max(t, pad_to)
+        n64 = st.n64[:4 * toks].reshape(4, toks)
+        n64[0, :t] = ids
+        n64[3, :t] = -1 if src is None else src
         pos = np.asarray(positions, dtype=np.int64)
-        self.n64[1, :t] = pos
+        n64[1, :t] = pos
         counts = np.empty(n, dtype=np.int64)
-        owners = self._row_owner
+        owners, tables = st.row_owner, st.n_tables
         for i, sq in enumerate(seqs):
             nb = -(-sq.context_len // bs)
             blocks = sq.block_ids
             # Block tables only grow (the runner extends each request's list in place), so a row
-            # that held this very list last step needs only its new blocks written.
+            # that held this very list in this buffer needs only its new blocks written.
             owner, written = owners[i]
             start = written if owner is blocks and written <= nb else 0
             if start < nb:
-                self.n_tables[i, start:nb] = blocks[start:nb]
+                tables[i, start:nb] = blocks[start:nb]
             owners[i] = (blocks, nb)
-            self.n_lens[i] = sq.context_len
+            st.n_lens[i] = sq.context_len
             counts[i] = sq.num_scheduled_tokens
-        self.n_qsl[1:n + 1] = np.cumsum(counts)
+        st.n_qsl[0] = 0
+        st.n_qsl[1:n + 1] = np.cumsum(counts)
         seq_of_token = np.repeat(np.arange(n), counts)                            # [T]
-        slots = self.n64[2]
-        slots[:t] = self.n_tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        self.n_qsl[0] = 0
+        n64[2, :t] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
         if pad_to > n:  # CUDA-graph padding rows: one token each, context 0, slot -1
-            self.n64[0:2, t:pad_to] = 0
-            slots[t:pad_to] = -1
-            self.n64[3, t:pad_to] = -1
-            self.n_lens[n:pad_to] = 0
-            self.n_qsl[n + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - n)
-        rows, toks = max(n, pad_to), max(t, pad_to)
-        s, mb = self.max_seqs, self.max_blocks
-        for r in range(4):  # contiguous row prefixes: pinned -> device stays asynchronous
-            self.i64[r, :toks].copy_(self.h64[r, :toks], non_blocking=True)
-        self.i32[:rows * mb].copy_(self.h32[:rows * mb], non_blocking=True)
-        self.i32[s * mb:].copy_(self.h32[s * mb:], non_blocking=True)   # qsl + lens (4 KB)
+            n64[0:2, t:pad_to] = 0
+            n64[2:4, t:pad_to] = -1
+            st.n_lens[n:pad_to] = 0
+            st.n_qsl[n + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - n)
+        # Contiguous prefixes: pinned -> device stays asynchronous.
+        self.i64[:4 * toks].copy_(st.h64[:4 * toks], non_blocking=True)
+        used32 = 2 * self.max_seqs + 1 + rows * self.max_blocks
+        self.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
+        st.record()
+        return toks
+
+    def _row(self, r: int, t: int) -> torch.Tensor:
+        """Row r (0 ids, 1 positions, 2 slots, 3 id sources) of a step laid out with row length t."""
+        return self.i64[r * t:(r + 1) * t]
 
     def _attn(self, num_tokens: int, num_seqs: int, max_query_len: int) -> KernelAttnInputs:
         splits = decode_splits(num_seqs, self.model.cfg.num_kv_heads, self.num_sms) if max_query_len == 1 else 1
-        return KernelAttnInputs(self.i64[2, :num_tokens], self.tables[:num_seqs], self.qsl[:num_seqs + 1],
+        return KernelAttnInputs(self._row(2, num_tokens), self.tables[:num_seqs], self.qsl[:num_seqs + 1],
                                 self.lens[:num_seqs], max_query_len, splits)
 
     # ---- execution ------------------------------------------------------------------------
@@ -139,9 +147,9 @@ class GpuExecutor:
 
     def _forward(self, t: int, n: int, max_query_len: int, use_src: bool = True) -> torch.Tensor:
         # Decode graphs always resolve ids through the src row (a replay cannot choose).
-        return forward_triton(self.model, self.i64[0, :t], self.i64[1, :t],
+        return forward_triton(self.model, self._row(0, t), self._row(1, t),
                               self._attn(t, n, max_query_len), self.kv_caches,
-                              self.i64[3, :t] if use_src else None, self.prev_tokens)
+                              self._row(3, t) if use_src else None, self.prev_tokens)
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture forward + logits of a decode step of b rows (inputs already staged)."""
@@ -164,9 +172,33 @@ class GpuExecutor:
         """Capture every bucket up front (largest first, so smaller ones reuse its pool)."""
         for b in sorted(sizes or self.graph_sizes, reverse=True):
             if b not in self.graphs:
-                dummy = [SeqSchedule([0], 0, 1)] * b
-                self._stage([0] * b, [0] * b, dummy)
-                self.n64[2, :b] = -1  # never write the cache while warming up
-                self.i64.copy_(self.h64, non_blocking=True)
-                self._row_owner = [(None, 0)] * self.max_seqs
+                self._stage([], [], [], pad_to=b)   # padding rows only: nothing touches the cache
                 self._capture(b)
+
+
+class _Staging:
+    """One set of pinned host buffers mirroring the device inputs, and the event behind the
+    last copy out of them."""
+
+    def __init__(self, n64: int, n32: int, max_seqs: int, max_blocks: int, pin: bool) -> None:
+        self.h64 = torch.zeros(n64, dtype=torch.long, pin_memory=pin)
+        self.h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self.n64, n32v = self.h64.numpy(), self.h32.numpy()
+        s = max_seqs
+        self.n_qsl = n32v[:s + 1]
+        self.n_lens = n32v[s + 1:2 * s + 1]
+        self.n_tables = n32v[2 * s + 1:].reshape(s, max_blocks)
+        # Per table row: (the block-id list it was filled from, how many blocks are written).
+        self.row_owner: list[tuple[list | None, int]] = [(None, 0)] * s
+        self.event = torch.cuda.Event() if pin else None
+        self.pending = False
+
+    def wait(self) -> None:
+        if self.pending:
+            self.event.synchronize()
+            self.pending = False
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+            self.pending = True
