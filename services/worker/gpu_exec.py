@@ -31,7 +31,7 @@ from services.worker.attention import SeqSchedule
 from services.worker.sampling import to_device
 from services.worker.kernels.attention import decode_splits
 from services.worker.models.llama import LlamaModel
-from services.worker.models.llama_triton import KernelAttnInputs, forward_triton
+from services.worker.models.llama_triton import KernelAttnInputs, compute_logits_triton, forward_triton
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class GpuExecutor:
         hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)
         rows = to_device(sample_rows, torch.long, hidden.device) if sample_rows != list(range(t)) else None
         last = hidden if rows is None else hidden.index_select(0, rows)
-        return self.model.compute_logits(last)
+        return compute_logits_triton(self.model, last)
 
     def _forward(self, t: int, n: int, max_query_len: int, use_src: bool = True) -> torch.Tensor:
         # Decode graphs always resolve ids through the src row (a replay cannot choose).
@@ -157,13 +157,13 @@ class GpuExecutor:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
             for _ in range(2):
-                self.model.compute_logits(self._forward(b, b, 1))
+                compute_logits_triton(self.model, self._forward(b, b, 1))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.compute_logits(self._forward(b, b, 1))
+            logits = compute_logits_triton(self.model, self._forward(b, b, 1))
         self.graphs[b] = (graph, logits)
         log.info("captured decode CUDA graph for batch %d", b)
         return graph, logits

@@ -230,3 +230,15 @@ def test_qkv_prep_fp8_cache_full_shape():
     untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEV)
     untouched[slots[keep]] = False
     assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+
+
+# Llama-3-8B o, down and lm_head at batch 1 (the shapes the batch-1 GEMV serves)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (128256, 4096), (6144, 4096)])
+def test_gemv_full_shapes_bf16(n, k):
+    from services.worker.kernels.gemv import gemv
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=g)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert rel_err(gemv(x, w, b), want) < BF16_TOL

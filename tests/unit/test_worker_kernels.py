@@ -307,3 +307,19 @@ def test_kernel_forward_with_fp8_cache_gives_the_reference_fp8_greedy_tokens(tmp
             sched.add(f"r{i}", p, 5)
         outs.append(sched.run())
     assert outs[0] == outs[1]
+
+
+# ---- batch-1 GEMV (kernels/gemv.py) -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(40, 96, False), (33, 80, True)])
+def test_gemv_matches_linear_including_ragged_edges(dtype, n, k, bias):
+    """Row counts and K not multiples of the tiles (masked edges), with and without bias."""
+    from services.worker.kernels.gemv import gemv
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    got = gemv(x, w, b, config=(16, 32, 4, 2))
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert rel_err(got, want) < TOL[dtype]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from services.worker.kernels.attention import paged_attention
 from services.worker.kernels.embedding import embed_tokens
+from services.worker.kernels.gemv import linear
 from services.worker.kernels.elementwise import add_rms_norm, silu_mul
 from services.worker.kernels.qkv_prep import qkv_prep_
 from services.worker.models.llama import LlamaModel, rope_cos_sin
@@ -65,10 +66,16 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
         paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
                         attn.max_query_len, model.scale, out=attn_out,
                         sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
-        o = model.reduce(F.linear(attn_out.view(t, nh * d), layer.o, layer.o_bias))
+        o = model.reduce(linear(attn_out.view(t, nh * d), layer.o, layer.o_bias))   # M = 1: gemv.py
         x = add_rms_norm(o, layer.post_norm, eps, residual=residual)                # residual += o
         gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)                    # [T, 2I]
-        mlp = model.reduce(F.linear(silu_mul(gate_up), layer.down, layer.down_bias))
+        mlp = model.reduce(linear(silu_mul(gate_up), layer.down, layer.down_bias))
         next_norm = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
         x = add_rms_norm(mlp, next_norm, eps, residual=residual)                    # residual += mlp
     return x
+
+
+def compute_logits_triton(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    """model.compute_logits with the single-row case through the GEMV kernel (batch-1 decode
+    streams the 1 GB lm_head of Llama 3 every step)."""
+    return linear(hidden, model.lm_head).float()
