@@ -458,6 +458,17 @@ def main() -> int:
                 res["profile_decode_b1_replay"] = profile_replay(runner, 1)
             except Exception as exc:  # noqa: BLE001
                 res["profile_error_replay"] = repr(exc)
+        if kv_dtype is None:
+            # The batch-1 GEMV kernel (kernels/gemv.py) against cuBLAS, same run: recapture b = 1.
+            from services.worker.kernels import gemv as gemv_mod
+            gemv_mod.ENABLED = False
+            runner.gpu.graphs.pop(1, None)
+            r = decode_steps(runner, Reqs(runner.num_blocks), 1, 1536, 30, gen)
+            r["kv_cache"], r["gemv"] = kv_name, "cublas"
+            res["decode_b1_cublas"] = r
+            print("decode b1 cublas", r, flush=True)
+            gemv_mod.ENABLED = True
+            runner.gpu.graphs.pop(1, None)
         if not args.skip_offline:
             runs = [(int(m), True) for m in args.max_seqs.split(",")]
             if args.offline_sync and kv_dtype is None:
