@@ -210,7 +210,9 @@ class SampleHandle:
         cuda = tokens.device.type == "cuda"
         # On CUDA `.to("cpu", non_blocking=True)` lands in pinned memory; the event marks the end
         # of these copies, so result() never waits for kernels launched after this call.
-        self._tokens = tokens.to("cpu", non_blocking=cuda)
+        # A CPU tensor would come back as itself: `tokens` may be the runner's prev-token buffer,
+        # which the next step overwrites before this one is collected, so snapshot it.
+        self._tokens = tokens.to("cpu", non_blocking=True) if cuda else tokens.clone()
         self._lp = sampled_lp.to("cpu", non_blocking=cuda) if sampled_lp is not None else None
         self._top = tuple(t.to("cpu", non_blocking=cuda) for t in top) if top is not None else None
         self._event = None

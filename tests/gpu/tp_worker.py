@@ -1,6 +1,6 @@
 """The worker service with `--tensor-parallel-size 2` as real processes, driven over ZMQ, vs tp=1
-in-process: greedy tokens (fp32 and bf16, CUDA graphs on), where the ranks run, and what a rank's
-death does. Runs on CPU (gloo) or 2 GPUs (NCCL); needs no gRPC client (readiness = hello answered).
+in-process: greedy tokens (fp32 and bf16, CUDA graphs on; one plan at a time and two in flight,
+which rank 0 pipelines on GPUs), where the ranks run, and what a rank's death does. Runs on CPU (gloo) or 2 GPUs (NCCL); needs no gRPC client (readiness = hello answered).
   NCCL_NVLS_ENABLE=0 python3 -m tests.gpu.tp_worker --device cuda OUT_JSON
 """
 from __future__ import annotations
@@ -48,6 +48,19 @@ class Conn:
 
     def execute(self, plan: pb.step.StepPlan) -> pb.step.StepResult:
         return self.call(pb.step.WorkerRequest(plan=plan)).result
+
+    # Two plans in flight, as the scheduler's async scheduling sends them: the worker's engine loop
+    # then submits step N+1 before replying to step N (replies come back in order).
+    def submit(self, plan: pb.step.StepPlan) -> int:
+        self.sock.send(pb.step.WorkerRequest(plan=plan).SerializeToString())
+        return plan.step_id
+
+    def collect(self, _pending, timeout_s: float = 300.0) -> pb.step.StepResult:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError("worker did not reply")
+        reply = pb.step.WorkerReply()
+        reply.ParseFromString(self.sock.recv())
+        return reply.result
 
 
 def children(pid: int) -> list[int]:
@@ -113,6 +126,8 @@ def main() -> int:
             entry["rank_pids"] = [proc.pid, *ranks]
             got_t, got_top = greedy_with_top2(conn, PROMPTS, NEW)
             entry["vs_tp1"] = compare(ref_t, ref_top, got_t, got_top)
+            pipe_t, _ = greedy_with_top2(conn, PROMPTS, NEW, pipelined=True)
+            entry["pipelined_equals_unpipelined"] = pipe_t == got_t
             entry["gpu_apps"] = gpu_apps()
             if dtype == "float32":  # a rank's death takes the worker down
                 os.kill(ranks[0], signal.SIGKILL)

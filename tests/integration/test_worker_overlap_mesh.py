@@ -14,13 +14,13 @@ PROMPTS = ["The three laws of motion are", "A recipe for pancakes:", "In the yea
            "Dear diary, today"]
 
 
-def texts(mesh) -> list[str]:
+def texts(mesh, seeded: bool = True) -> list[str]:
     client = OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", timeout=300, max_retries=0)
 
     def one(i_p):
         i, p = i_p
         extra = {"ignore_eos": True}
-        if i % 2:  # seeded sampling: the draw depends on the position of the pending token
+        if seeded and i % 2:  # seeded sampling: the draw depends on the position of the pending token
             return client.completions.create(model=mesh.model_name, prompt=p, max_tokens=12, temperature=0.8,
                                              seed=42 + i, extra_body=extra).choices[0].text
         return client.completions.create(model=mesh.model_name, prompt=p, max_tokens=12, temperature=0,
@@ -39,6 +39,6 @@ def overlap_mesh(smollm2_dir):
 
 
 def test_overlapped_worker_gives_the_default_meshs_texts(mesh, overlap_mesh):
-    want = texts(mesh)
-    assert texts(overlap_mesh) == want
-    assert texts(overlap_mesh) == want  # and again, with the first run's requests finished
+    assert texts(overlap_mesh) == texts(mesh)
+    # all greedy: every step samples straight into the prev-token buffer the next step overwrites
+    assert texts(overlap_mesh, seeded=False) == texts(mesh, seeded=False)

@@ -46,6 +46,16 @@ def test_overlapped_runner_gives_the_synchronous_tokens_and_logprobs(model):
     assert depth == 2, "step N+1 should have been launched before step N was collected"
 
 
+def test_all_greedy_batches_keep_each_steps_own_tokens(model):
+    """All-greedy steps sample straight into the prev-token buffer that the next step overwrites:
+    a step collected after its successor ran must still report its own tokens."""
+    ps = prompts(4)
+    sps = [pb.common.SamplingParams(ignore_eos=True)] * 4
+    want, _, _, _ = run(model, ps, sps, overlap=False)
+    got, _, _, depth = run(model, ps, sps, overlap=True)
+    assert got == want and depth == 2
+
+
 def test_penalties_make_the_runner_read_the_pending_token_first(model):
     """A penalised request needs its full history on the host: no two steps stay unresolved."""
     ps = prompts(3)
