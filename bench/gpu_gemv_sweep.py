@@ -1,6 +1,7 @@
-"""Batch-1 decode is weight streaming: does a Triton GEMV beat cuBLAS (torch F.linear) on the
-Llama-3.1-8B projection shapes at M = 1? Times both on rotated weight copies (so L2 never holds
-a matrix) and reports bytes/s against the device copy bandwidth measured in the same run.
+"""Batch-1 decode is weight streaming: does the Triton GEMV (services/worker/kernels/gemv.py) beat
+cuBLAS (torch F.linear) on the Llama-3.1-8B projection shapes at M = 1, and with which tiles?
+Times both on rotated weight copies (so L2 never holds a matrix) and reports bytes/s against the
+device copy bandwidth measured in the same run.
 
   python3 bench/gpu_gemv_sweep.py --out bench/results/gpu_gemv_sweep.json
 """
@@ -10,36 +11,21 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from services.worker.kernels.gemv import gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 
 
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-def gemv(x, w, y, bn, bk, warps, stages):
-    n, k = w.shape
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages)
+def gemv_cfg(x, w, bn, bk, warps, stages):
+    return gemv(x, w, None, config=(bn, bk, warps, stages))
 
 
 def timed(fn, copies: int, iters: int = 30) -> float:
@@ -75,16 +61,15 @@ def main() -> int:
         copies = max(2, int(256e6 // (nn * kk * 2)) + 1)
         ws = [torch.randn(nn, kk, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, kk, device=dev, dtype=dt)
-        y = torch.empty(nn, device=dev, dtype=dt)
         ref = torch.nn.functional.linear(x, ws[0])[0]
         nbytes = nn * kk * 2
         cub = timed(lambda i: torch.nn.functional.linear(x, ws[i]), copies)
         row = {"cublas_ms": cub, "cublas_bw": nbytes / (cub / 1e3), "triton": []}
         for bn, bk, warps, stages in configs:
             try:
-                gemv(x, ws[0], y, bn, bk, warps, stages)
+                y = gemv_cfg(x, ws[0], bn, bk, warps, stages)[0]
                 err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = timed(lambda i: gemv(x, ws[i], y, bn, bk, warps, stages), copies)
+                t = timed(lambda i: gemv_cfg(x, ws[i], bn, bk, warps, stages), copies)
                 row["triton"].append({"bn": bn, "bk": bk, "warps": warps, "stages": stages, "ms": t,
                                       "bw": nbytes / (t / 1e3), "rel_err": err})
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory / registers

@@ -163,19 +163,29 @@ def test_kernel_forward_in_the_runner_gives_the_reference_greedy_tokens(tmp_path
     """The GPU executor's path (persistent buffers + Triton forward), run on the CPU through the
     interpreter, samples the same greedy tokens as the torch reference with chunked prefill,
     mixed prefill/decode steps and split-KV decodes (Qwen3: q/k norm too)."""
-    from services.worker.gpu_exec import GpuExecutor
     from services.worker.models import load_model
-    from services.worker.runner import ModelRunner
     from tests.unit.tiny_llama import make_tiny_family, make_tiny_llama
-    from tests.worker_driver import MiniScheduler
 
     model = load_model(make_tiny_llama(tmp_path, seed=3) if family == "llama"
                        else make_tiny_family(tmp_path, "qwen3", seed=3, head_dim=16))
+    ref, kernels = reference_and_kernel_runs(model)
+    assert ref == kernels
+
+
+def reference_and_kernel_runs(model, kv_cache_dtype=None):
+    """Greedy outputs of two prompts (chunked prefill, mixed steps, split-KV decodes) through the
+    torch reference forward, then through the GPU executor's Triton path under the interpreter."""
+    from services.worker.gpu_exec import GpuExecutor
+    from services.worker.runner import ModelRunner
+    from tests.worker_driver import MiniScheduler
+
     prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
     outs = []
     for kernels in (False, True):
-        runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=4)
+        runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=4,
+                             kv_cache_dtype=kv_cache_dtype)
         runner.hello(4)
+        assert runner.kv_caches[0].dtype == (kv_cache_dtype or model.dtype)
         if kernels:
             runner.gpu = GpuExecutor(model, runner.kv_caches, 4, max_num_tokens=64, max_num_seqs=4,
                                      graph_sizes=None)
@@ -183,7 +193,7 @@ def test_kernel_forward_in_the_runner_gives_the_reference_greedy_tokens(tmp_path
         for i, p in enumerate(prompts):
             sched.add(f"r{i}", p, 5)
         outs.append(sched.run())
-    assert outs[0] == outs[1]
+    return outs
 
 
 # ---- FP8 KV cache (--kv-cache-dtype fp8) ------------------------------------------------------
@@ -285,28 +295,12 @@ def test_kernel_forward_with_fp8_cache_gives_the_reference_fp8_greedy_tokens(tmp
     """The GPU executor's path over an fp8 cache (fused q/k prep + KV store, paged attention with
     split-KV decodes) samples the torch reference's tokens over an fp8 cache: both store the same
     bytes (quantize_fp8_e4m3 == attention.quantize_kv) and attend in fp32."""
-    from services.worker.gpu_exec import GpuExecutor
     from services.worker.models import load_model
-    from services.worker.runner import ModelRunner
     from tests.unit.tiny_llama import make_tiny_llama
-    from tests.worker_driver import MiniScheduler
 
     model = load_model(make_tiny_llama(tmp_path, seed=4))
-    prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
-    outs = []
-    for kernels in (False, True):
-        runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=4,
-                             kv_cache_dtype=FP8)
-        runner.hello(4)
-        assert runner.kv_caches[0].dtype == FP8
-        if kernels:
-            runner.gpu = GpuExecutor(model, runner.kv_caches, 4, max_num_tokens=64, max_num_seqs=4,
-                                     graph_sizes=None)
-        sched = MiniScheduler(runner.execute, 4, 16, budget=6)
-        for i, p in enumerate(prompts):
-            sched.add(f"r{i}", p, 5)
-        outs.append(sched.run())
-    assert outs[0] == outs[1]
+    ref, kernels = reference_and_kernel_runs(model, FP8)
+    assert ref == kernels
 
 
 # ---- batch-1 GEMV (kernels/gemv.py) -----------------------------------------------------------
