@@ -195,16 +195,17 @@ class Engine:
                     # [identity, (empty delimiter,) payload]: reply on the same envelope.
                     req, bad = self._parse(frames[-1])
                     if bad is None and self._pipelined(req):
-                        started = (frames[:-1], req.plan, self.runner.submit(req.plan), time.time_ns())
+                        start_ns = time.time_ns()
+                        started = (frames[:-1], req.plan, self.runner.submit(req.plan), start_ns)
                         if inflight is not None:
                             self._reply_step(inflight)
                         inflight = started
-                        continue
-                    if inflight is not None:
-                        self._reply_step(inflight)
-                        inflight = None
-                    reply = bad if bad is not None else self._handle_request(req)
-                    self.sock.send_multipart([*frames[:-1], reply.SerializeToString()])
+                    else:
+                        if inflight is not None:
+                            self._reply_step(inflight)
+                            inflight = None
+                        reply = bad if bad is not None else self._handle_request(req)
+                        self.sock.send_multipart([*frames[:-1], reply.SerializeToString()])
                 elif inflight is not None:
                     self._reply_step(inflight)
                     inflight = None

@@ -25,9 +25,13 @@ C = pb.control
 def pmesh(smollm2_dir, tmp_path_factory):
     profile_dir = tmp_path_factory.mktemp("profiles")
     with OtlpReceiver() as rx:
-        m = start_mesh(str(smollm2_dir), "--max-model-len", "512", "--max-num-seqs", "8",
-                       "--api-key", USER, "--admin-api-key", ADMIN, "--profile-dir", str(profile_dir),
-                       "--otlp-traces-endpoint", rx.endpoint)
+        with pytest.MonkeyPatch.context() as mp:
+            # The worker pipelines its steps as on a GPU: a capture must still begin (and end) at
+            # a step boundary under streaming load.
+            mp.setenv("MESHLLM_OVERLAP_STEPS", "on")
+            m = start_mesh(str(smollm2_dir), "--max-model-len", "512", "--max-num-seqs", "8",
+                           "--api-key", USER, "--admin-api-key", ADMIN, "--profile-dir", str(profile_dir),
+                           "--otlp-traces-endpoint", rx.endpoint)
         m.rx, m.profile_dir = rx, str(profile_dir)
         m.http = httpx.Client(base_url=m.http_url, timeout=30.0,
                               headers={"Authorization": f"Bearer {ADMIN}"})
