@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common import pb
 from services.gateway.engine_pool import EnginePool
 from services.gateway.errors import ApiError
+from services.gateway.lazy_stub import LazyStub
 from services.gateway.protocol import parse_body
 
 RESET_TIMEOUT_S = 15.0   # the scheduler waits up to 10 s for a step boundary
@@ -62,26 +63,12 @@ def _from_supervisor(exc: grpc.aio.AioRpcError) -> ApiError:
     return ApiError("internal", f"supervisor: {detail}")
 
 
-class _SupervisorClient:
-    """A lazily opened channel (created on the serving loop at first use)."""
-
-    def __init__(self, address: str, credentials) -> None:
-        self.address, self._credentials = address, credentials
-        self._stub = None
-
-    def stub(self) -> "pb.supervisor_grpc.SupervisorStub":
-        if not self.address:
-            raise ApiError("conflict", "this gateway follows no supervisor, so it cannot drain "
-                           "replicas: start it with --supervisor-addr (meshllm serve does)")
-        if self._stub is None:
-            from services.common.grpc_server import channel
-            self._stub = pb.supervisor_grpc.SupervisorStub(channel(self.address, credentials=self._credentials))
-        return self._stub
-
 
 def add_admin_routes(app: FastAPI, engines: EnginePool, supervisor_addr: str, credentials=None,
                      max_body_bytes: int = 65536) -> None:
-    supervisor = _SupervisorClient(supervisor_addr, credentials)
+    supervisor = LazyStub(supervisor_addr, credentials, pb.supervisor_grpc.SupervisorStub,
+                          ("conflict", "this gateway follows no supervisor, so it cannot drain replicas: "
+                           "start it with --supervisor-addr (meshllm serve does)"))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:

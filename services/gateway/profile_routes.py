@@ -20,6 +20,7 @@ import grpc
 from services.common import pb
 from services.common.profiling import MAX_CAPTURE_SECONDS, MAX_CAPTURE_STEPS
 from services.gateway.errors import ApiError
+from services.gateway.lazy_stub import LazyStub
 from services.gateway.protocol import parse_body
 
 _ACTIVITIES = {"cpu": pb.control.PROFILE_ACTIVITY_CPU, "cuda": pb.control.PROFILE_ACTIVITY_CUDA}
@@ -52,24 +53,10 @@ def _from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
     return ApiError("internal", f"profiler: {detail}")
 
 
-class _ProfilerClient:
-    """A lazily opened channel (created on the serving loop at first use)."""
-
-    def __init__(self, address: str, credentials) -> None:
-        self.address, self._credentials = address, credentials
-        self._stub = None
-
-    def stub(self) -> "pb.control_grpc.ProfilerControlStub":
-        if not self.address:
-            raise ApiError("not_found", "profiling is not enabled on this gateway (start it with --profiler-addr)")
-        if self._stub is None:
-            from services.common.grpc_server import channel
-            self._stub = pb.control_grpc.ProfilerControlStub(channel(self.address, credentials=self._credentials))
-        return self._stub
-
 
 def add_profile_routes(app: FastAPI, profiler_addr: str, credentials=None, max_body_bytes: int = 65536) -> None:
-    client = _ProfilerClient(profiler_addr, credentials)
+    client = LazyStub(profiler_addr, credentials, pb.control_grpc.ProfilerControlStub,
+                      ("not_found", "profiling is not enabled on this gateway (start it with --profiler-addr)"))
 
     async def call(method: str, request) -> JSONResponse:
         try:
