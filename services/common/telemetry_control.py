@@ -5,7 +5,7 @@ builds, so a new service gets it for free. The profiler service fans SetTraceSam
 every service. The ratio is process-wide (services/common/telemetry.py); the sampler is
 parent-based, so the root service (the gateway) decides which new requests are traced and
 the others follow the caller's decision. On the gateway's public port these methods need
-an admin key (services/gateway/auth.py: ADMIN_GRPC_METHODS).
+an admin key (services/gateway/guard/auth.py: ADMIN_GRPC_METHODS).
 """
 from __future__ import annotations
 

@@ -18,9 +18,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from services.common import pb
-from services.gateway.embedder_client import EmbedderClient
+from services.gateway.clients.embedder import EmbedderClient
 from services.gateway.errors import ApiError, invalid
-from services.gateway.protocol import parse_body
+from services.gateway.ids import new_request_id, sane_client_id
+from services.gateway.openai.protocol import parse_body
 
 log = logging.getLogger("meshllm.gateway.embeddings")
 
@@ -216,7 +217,6 @@ class Embeddings:
 async def grpc_embed(embeddings: Embeddings, request: "pb.generation.EmbedRequest",
                      context) -> "pb.generation.EmbedResponse":
     """Generation.Embed: the same validation as HTTP, errors as gRPC statuses."""
-    from services.gateway.service import new_request_id, sane_client_id  # service imports us
     rid = request.request_id or new_request_id("embd")
     try:
         if sane_client_id(rid) is None:

@@ -19,17 +19,18 @@ from services.common.health_thread import start_health_server
 from services.common.log import setup_logging
 from services.common.procs import install_stop_handlers
 from services.gateway.config import GatewayConfig
-from services.gateway.embedder_client import EmbedderClient
+from services.gateway.clients.embedder import EmbedderClient
 from services.gateway.embeddings import Embeddings
-from services.gateway.engine_pool import EnginePool, ReplicaSpec
-from services.gateway.grpc_api import SERVICE_NAME, add_to_server
-from services.gateway.http_app import create_app, with_request_context
-from services.gateway import security
+from services.gateway.clients.engine_pool import EnginePool, ReplicaSpec
+from services.gateway.grpc.api import SERVICE_NAME, add_to_server
+from services.gateway.http.app import create_app
+from services.gateway.http.context import with_request_context
+from services.gateway.guard import security
 from services.gateway.service import Gateway
-from services.gateway import pool_metrics
-from services.gateway.router import Router, RouterConfig
-from services.gateway.supervisor_watch import follow_supervisor
-from services.gateway.tokenizer_pool import TokenizerPool
+from services.gateway.clients import pool_metrics
+from services.gateway.clients.router import Router, RouterConfig
+from services.gateway.clients.supervisor_watch import follow_supervisor
+from services.gateway.clients.tokenizer_pool import TokenizerPool
 
 
 def parse_args(argv: list[str] | None) -> GatewayConfig:

@@ -2,32 +2,18 @@
 validation against the engine's limits, submission."""
 from __future__ import annotations
 
-import re
-import uuid
 from collections.abc import Sequence
 
 from services.common import pb
-from services.gateway.admission import Admission
+from services.gateway.guard.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.embeddings import Embeddings
-from services.gateway.engine_client import RequestHandle
-from services.gateway.engine_pool import EnginePool
+from services.gateway.clients.engine_stream import RequestHandle
+from services.gateway.clients.engine_pool import EnginePool
 from services.gateway.errors import ApiError
-from services.gateway.sampling import (Limits, resolve_max_tokens, validate_cache_salt,
+from services.gateway.guard.sampling import (Limits, resolve_max_tokens, validate_cache_salt,
                                        validate_priority, validate_prompt, validate_sampling)
-from services.gateway.tokenizer_pool import TokenizerPool
-
-_SANE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def sane_client_id(value: str | None) -> str | None:
-    """A client-supplied request id we are willing to echo back and log, else None."""
-    return value if value and _SANE_ID.match(value) else None
-
+from services.gateway.clients.tokenizer_pool import TokenizerPool
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: TokenizerPool,

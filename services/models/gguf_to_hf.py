@@ -19,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .gguf_fields import field_value
+from .gguf_tokenizer import build_tokenizer_files
+
 # Bump when the output of the conversion changes; prepare_model() rebuilds older outputs.
 CONVERTER_VERSION = 1
 
@@ -74,14 +77,6 @@ def _clean_float(value) -> float:
     # GGUF stores float32; str() of a float32 is its shortest repr (1e-05, not 9.9999997e-06),
     # which parses back to the very same float32, so the config stays readable and exact.
     return float(str(np.float32(value)))
-
-
-def field_value(reader, key: str, default=None):
-    """One metadata value as a Python scalar, str or list; `default` when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
 
 
 def read_model_info(reader) -> GGUFModelInfo:
@@ -275,7 +270,6 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     import gguf
     from safetensors.numpy import save_file
 
-    from .gguf_tokenizer import build_tokenizer_files
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .gguf_to_hf import field_value
+from .gguf_fields import field_value
 
 # llama.cpp token types (llama_token_type in llama.h).
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4

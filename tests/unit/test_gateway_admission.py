@@ -1,5 +1,5 @@
 """Admission keeps no more than a sweep's worth of finished requests (their handles)."""
-from services.gateway.admission import SWEEP_EVERY, Admission
+from services.gateway.guard.admission import SWEEP_EVERY, Admission
 
 
 def test_finished_requests_do_not_pile_up_to_the_limit():

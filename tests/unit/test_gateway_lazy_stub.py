@@ -3,7 +3,7 @@ import pytest
 
 from services.common import pb
 from services.gateway.errors import ApiError
-from services.gateway.lazy_stub import LazyStub
+from services.gateway.clients.lazy_stub import LazyStub
 
 
 def test_without_an_address_each_call_raises_the_configured_error():

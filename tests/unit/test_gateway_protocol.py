@@ -5,8 +5,8 @@ import pytest
 
 from services.common import pb
 from services.gateway.errors import ApiError
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from services.gateway.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
+from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.guard.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000)
 

@@ -1,7 +1,7 @@
-"""The router's policy on handmade loads and prompts (services/gateway/router.py)."""
+"""The router's policy on handmade loads and prompts (services/gateway/clients/router.py)."""
 import pytest
 
-from services.gateway.router import ReplicaLoad, Router, RouterConfig
+from services.gateway.clients.router import ReplicaLoad, Router, RouterConfig
 
 BS = 16
 

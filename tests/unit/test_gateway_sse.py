@@ -2,9 +2,9 @@
 import asyncio
 
 from services.common import pb
-from services.gateway.engine_client import Delta, MergedOutput
+from services.gateway.clients.engine_stream import Delta, MergedOutput
 from services.gateway.errors import ApiError
-from services.gateway.sse import SSEResponse, coalesce
+from services.gateway.http.sse import SSEResponse, coalesce
 
 
 def d(text, ids, **kw):

@@ -1,7 +1,7 @@
 """Stop strings on streamed text: across token boundaries, held back, never in the output."""
 import pytest
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.openai.stop_strings import StopStringMatcher
 
 
 def run(stops, deltas, include=False):

@@ -16,8 +16,8 @@ from services.common import pb
 from services.common.grpc_server import bind, make_server
 from services.common.metrics import (REGISTRY, check_metrics_config, exposition, start_metrics_server,
                                      traceparent_exemplar)
-from services.gateway.metrics import UNMATCHED_ROUTE, RouteNames
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.http.metrics import UNMATCHED_ROUTE, RouteNames
+from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.timing import HandleTiming, RequestTimer
 from services.scheduler.metrics import EngineMetrics
 

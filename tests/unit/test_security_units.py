@@ -11,10 +11,10 @@ import zlib
 import pytest
 import zstandard
 
-from services.gateway.auth import ApiKeys, collect_keys
-from services.gateway.body_guard import BodyRejected, read_bounded
+from services.gateway.guard.auth import ApiKeys, collect_keys
+from services.gateway.guard.body_guard import BodyRejected, read_bounded
 from services.gateway.errors import ApiError
-from services.gateway.protocol import json_depth_exceeds
+from services.gateway.openai.protocol import json_depth_exceeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -23,7 +23,7 @@ def test_tracing_off_imports_no_sdk_and_does_nothing():
     code = """
 import sys
 from services.common import telemetry
-import services.gateway.main, services.gateway.tracing_mw, services.tokenizer.server, services.scheduler.server
+import services.gateway.main, services.gateway.tracing, services.tokenizer.server, services.scheduler.server
 import services.worker.step_tracing, services.common.grpc_tracing
 rest = telemetry.init_service("gateway", ["--port", "1"])
 assert rest == ["--port", "1"] and not telemetry.ENABLED

@@ -17,7 +17,7 @@ import grpc
 
 from services.common import pb
 from services.gateway.errors import ApiError
-from services.gateway.tokenizer_client import TokenizerClient
+from services.gateway.clients.tokenizer import TokenizerClient
 
 log = logging.getLogger("meshllm.gateway.tokenizer")
 

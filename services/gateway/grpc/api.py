@@ -7,15 +7,16 @@ import time
 import grpc
 
 from services.common import pb, telemetry
-from services.gateway.admin_routes import reset_prefix_caches
-from services.gateway.choices import ChoiceGroup
+from services.gateway.clients.engine_pool import reset_prefix_caches
+from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
-from services.gateway.sampling import MAX_N
-from services.gateway.service import Gateway, new_request_id, sane_client_id
+from services.gateway.guard.sampling import MAX_N
+from services.gateway.ids import new_request_id, sane_client_id
+from services.gateway.service import Gateway
 from services.gateway.timing import RequestTimer
 from services.gateway.timing import track as track_timing
-from services.gateway.tracing_mw import end_grpc_request_span, start_grpc_request_span
+from services.gateway.tracing import end_grpc_request_span, start_grpc_request_span
 
 log = logging.getLogger("meshllm.gateway.grpc")
 

@@ -21,13 +21,14 @@ from grpc_health.v1 import health_pb2 as hpb
 from grpc_health.v1 import health_pb2_grpc as hpb_grpc
 
 from services.common import pb
-from services.gateway.engine_client import EngineClient, RequestHandle
+from services.gateway.clients.engine_stream import EngineClient, RequestHandle
 from services.gateway.errors import ApiError
-from services.gateway.router import ReplicaLoad, Router
+from services.gateway.clients.router import ReplicaLoad, Router
 
 log = logging.getLogger("meshllm.gateway.pool")
 
 READY = "READY"
+RESET_TIMEOUT_S = 15.0   # the scheduler waits up to 10 s for a step boundary
 
 
 @dataclass(frozen=True)
@@ -241,3 +242,17 @@ class EnginePool:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def reset_prefix_caches(engines: EnginePool) -> tuple[dict, str | None]:
+    """Flush every replica (HTTP and gRPC share this): the report, and why it counts as a
+    failure (a replica failed, or none could be asked) or None."""
+    outcomes = await engines.reset_prefix_cache(RESET_TIMEOUT_S)
+    report = {"num_blocks_flushed": sum(o.get("num_blocks_flushed", 0) for o in outcomes),
+              "replicas": outcomes}
+    failed = [f"{o['replica']} ({o['error']})" for o in outcomes if o["status"] == "error"]
+    if failed:
+        return report, f"the prefix cache was not flushed on {', '.join(failed)}"
+    if not any(o["status"] == "ok" for o in outcomes):
+        return report, "no engine replica could be asked to flush its prefix cache"
+    return report, None

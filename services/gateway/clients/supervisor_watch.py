@@ -14,8 +14,8 @@ import grpc
 
 from services.common import pb
 from services.common.grpc_server import channel
-from services.gateway.engine_pool import EnginePool, ReplicaSpec
-from services.gateway.tokenizer_pool import TokenizerPool
+from services.gateway.clients.engine_pool import EnginePool, ReplicaSpec
+from services.gateway.clients.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger("meshllm.gateway.supervisor")
 

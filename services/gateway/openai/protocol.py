@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from services.common import pb
 from services.gateway.errors import ApiError, invalid
-from services.gateway.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+from services.gateway.guard.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 
 MAX_JSON_DEPTH = 64             # nesting of the whole request body
 MAX_TOOLS_JSON_BYTES = 256 * 1024

@@ -11,11 +11,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from services.gateway.admin_routes import DrainBody
+from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
-from services.gateway.http_tokenize import DetokenizeRequest, TokenizeRequest
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.sampling import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
+from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.guard.sampling import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,

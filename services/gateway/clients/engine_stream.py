@@ -21,8 +21,8 @@ import grpc
 from services.common import pb, telemetry
 from services.common.grpc_server import channel
 from services.gateway.errors import ApiError
-from services.gateway.stop_strings import StopStringMatcher
-from services.gateway.tokenizer_client import TokenizerClient
+from services.gateway.openai.stop_strings import StopStringMatcher
+from services.gateway.clients.tokenizer import TokenizerClient
 
 log = logging.getLogger("meshllm.gateway.engine")
 

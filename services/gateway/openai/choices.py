@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.gateway.engine_client import Delta, RequestHandle
-from services.gateway.logprobs_format import CompletionLogprobs, chat_content, merge_completion
+from services.gateway.clients.engine_stream import Delta, RequestHandle
+from services.gateway.openai.logprobs import CompletionLogprobs, chat_content, merge_completion
 from services.gateway.parsers import OutputParser, ToolCallDelta
 
 

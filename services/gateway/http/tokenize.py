@@ -7,9 +7,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from services.gateway.chat_tools import plan_tools, template_kwargs_json
+from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
 from services.gateway.errors import invalid
-from services.gateway.protocol import ChatMessageIn, parse_body
+from services.gateway.http.body import read_body
+from services.gateway.openai.protocol import ChatCompletionRequest, ChatMessageIn, parse_body
 from services.gateway.service import Gateway
 
 
@@ -36,7 +37,6 @@ class DetokenizeRequest(BaseModel):
 def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        from services.gateway.http_app import read_body
         req = parse_body(TokenizeRequest, await read_body(request, gw.config.max_body_bytes))
         gw.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -48,7 +48,6 @@ def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
             if req.add_generation_prompt and req.continue_final_message:
                 raise invalid("add_generation_prompt and continue_final_message cannot both be "
                               "true", "continue_final_message")
-            from services.gateway.protocol import ChatCompletionRequest
             chat = ChatCompletionRequest(messages=req.messages)
             plan = plan_tools(req.tools, "none" if not req.tools else "auto", "render-only")
             ids = await gw.tokenize_chat(
@@ -63,7 +62,6 @@ def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        from services.gateway.http_app import read_body
         req = parse_body(DetokenizeRequest, await read_body(request, gw.config.max_body_bytes))
         gw.check_model(req.model)
         limits = gw.limits()

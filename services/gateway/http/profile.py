@@ -20,8 +20,9 @@ import grpc
 from services.common import pb
 from services.common.profiling import MAX_CAPTURE_SECONDS, MAX_CAPTURE_STEPS
 from services.gateway.errors import ApiError
-from services.gateway.lazy_stub import LazyStub
-from services.gateway.protocol import parse_body
+from services.gateway.http.body import read_body
+from services.gateway.clients.lazy_stub import LazyStub
+from services.gateway.openai.protocol import parse_body
 
 _ACTIVITIES = {"cpu": pb.control.PROFILE_ACTIVITY_CPU, "cuda": pb.control.PROFILE_ACTIVITY_CUDA}
 _CALL_TIMEOUT_S = 10.0   # Start fans out to workers and services (2 s limit each) in two rounds
@@ -67,7 +68,6 @@ def add_profile_routes(app: FastAPI, profiler_addr: str, credentials=None, max_b
 
     @app.post("/profile/start")
     async def profile_start(request: Request) -> JSONResponse:
-        from services.gateway.http_app import read_body
         raw = await read_body(request, max_body_bytes)
         body = parse_body(ProfileStartBody, raw) if raw.strip() else ProfileStartBody()
         unknown = [a for a in body.activities if a not in _ACTIVITIES]

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.common import pb
-from services.gateway.choices import ChoiceBuilder, ChoiceGroup, ChoiceSpec
-from services.gateway.engine_client import Delta
-from services.gateway.openai_format import sse, usage
+from services.gateway.openai.choices import ChoiceBuilder, ChoiceGroup, ChoiceSpec
+from services.gateway.clients.engine_stream import Delta
+from services.gateway.http.body import ClientGone, watch
+from services.gateway.openai.format import sse, usage
 from services.gateway.service import Gateway
-from services.gateway.sse import SSEResponse, coalesce
+from services.gateway.http.sse import SSEResponse, coalesce
 from services.gateway.timing import RequestTimer
 from services.gateway.timing import track as track_timing
-
-# (request, group, awaitable) -> its result; aborts the group and raises when the client leaves
-Watch = Callable[[Request, ChoiceGroup, Awaitable], Awaitable]
 
 
 class _Body:
@@ -94,11 +92,15 @@ async def _collect(group: ChoiceGroup, builders: list[ChoiceBuilder],
         index, delta = await anext(group)
 
 
-async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: type[Exception], *,
-                   request_id: str, model: str, prompt_ids: list[int],
-                   sampling: "pb.common.SamplingParams", n: int, stream: bool,
-                   include_usage: bool, spec: ChoiceSpec, priority: int = 0, cache_salt: str = "",
-                   timer: RequestTimer | None = None) -> Response:
+async def generate(request: Request, gw: Gateway, req, request_id: str, prompt_ids: list[int],
+                   sampling: "pb.common.SamplingParams", spec: ChoiceSpec,
+                   timer: RequestTimer) -> Response:
+    """Start `req`'s n choices and answer: JSON, or SSE when it asked to stream. `req` is the
+    parsed CompletionRequest / ChatCompletionRequest (n, stream, usage, priority, salt)."""
+    n, stream, model = req.num_choices, bool(req.stream), req.model or gw.model_name
+    include_usage, priority, cache_salt = req.include_usage, req.priority, req.cache_salt or ""
+    if not req.return_timing:
+        timer = None
     handles = gw.start_n(request_id, prompt_ids, sampling, n,
                          prompt_param="messages" if spec.chat else "prompt", priority=priority,
                          cache_salt=cache_salt)
@@ -123,7 +125,7 @@ async def generate(request: Request, gw: Gateway, watch: Watch, client_gone: typ
             return SSEResponse(_stream(body, group, builders, first, request.state),
                                on_disconnect=on_disconnect, headers={"Cache-Control": "no-cache"})
         await watch(request, group, _collect(group, builders, first))
-    except client_gone:
+    except ClientGone:
         request.state.outcome = "client_disconnected"
         return Response(status_code=499)
     except BaseException:

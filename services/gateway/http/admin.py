@@ -21,27 +21,13 @@ from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common import pb
-from services.gateway.engine_pool import EnginePool
+from services.gateway.clients.engine_pool import EnginePool, reset_prefix_caches
 from services.gateway.errors import ApiError
-from services.gateway.lazy_stub import LazyStub
-from services.gateway.protocol import parse_body
+from services.gateway.http.body import read_body
+from services.gateway.clients.lazy_stub import LazyStub
+from services.gateway.openai.protocol import parse_body
 
-RESET_TIMEOUT_S = 15.0   # the scheduler waits up to 10 s for a step boundary
 _DRAIN_TIMEOUT_S = 10.0
-
-
-async def reset_prefix_caches(engines: EnginePool) -> tuple[dict, str | None]:
-    """Flush every replica (HTTP and gRPC share this): the report, and why it counts as a
-    failure (a replica failed, or none could be asked) or None."""
-    outcomes = await engines.reset_prefix_cache(RESET_TIMEOUT_S)
-    report = {"num_blocks_flushed": sum(o.get("num_blocks_flushed", 0) for o in outcomes),
-              "replicas": outcomes}
-    failed = [f"{o['replica']} ({o['error']})" for o in outcomes if o["status"] == "error"]
-    if failed:
-        return report, f"the prefix cache was not flushed on {', '.join(failed)}"
-    if not any(o["status"] == "ok" for o in outcomes):
-        return report, "no engine replica could be asked to flush its prefix cache"
-    return report, None
 
 
 class DrainBody(BaseModel):
@@ -81,7 +67,6 @@ def add_admin_routes(app: FastAPI, engines: EnginePool, supervisor_addr: str, cr
 
     @app.post("/drain")
     async def drain(request: Request) -> JSONResponse:
-        from services.gateway.http_app import read_body
         raw = await read_body(request, max_body_bytes)
         if not raw.strip():
             raise ApiError("invalid_argument", 'send {"replica": "<id>"} (and "undrain": true to '

@@ -8,9 +8,9 @@ import logging
 import signal
 
 from services.common.tls import CLIENT_AUTH, ServerTls, TlsConfig
-from services.gateway.auth import (ADMIN_GRPC_METHODS, ApiKeyAuth, ApiKeys,
+from services.gateway.guard.auth import (ADMIN_GRPC_METHODS, ApiKeyAuth, ApiKeys,
                                    GrpcApiKeyInterceptor, collect_keys)
-from services.gateway.body_guard import BodyGuard
+from services.gateway.guard.body_guard import BodyGuard
 
 log = logging.getLogger("meshllm.gateway.security")
 

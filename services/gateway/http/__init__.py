@@ -1,0 +1,1 @@
+"""The gateway's http/ room: HTTP API: routes, SSE, OpenAPI, request context."""

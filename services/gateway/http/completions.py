@@ -1,0 +1,56 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`: parse, tokenize, then generate."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from services.gateway.http.body import read_body
+from services.gateway.http.generate import generate
+from services.gateway.ids import new_request_id
+from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
+from services.gateway.openai.choices import ChoiceSpec
+from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.parsers import make_output_parser
+from services.gateway.service import Gateway
+from services.gateway.timing import RequestTimer
+
+
+def add_completion_routes(app: FastAPI, gw: Gateway) -> None:
+    cfg = gw.config
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        timer = RequestTimer()
+        req = parse_body(CompletionRequest, await read_body(request, cfg.max_body_bytes))
+        gw.check_model(req.model)
+        sampling = req.to_sampling()
+        if isinstance(req.prompt, str):
+            t0 = timer.tokenize_started()
+            prompt_ids = await gw.tokenize_text(req.prompt)
+            timer.tokenize_done(t0)
+            echo = req.prompt if req.echo else ""
+        else:
+            prompt_ids = req.prompt
+            echo = (await gw.tokenizer.decode([prompt_ids], False))[0] if req.echo and prompt_ids else ""
+        spec = ChoiceSpec(chat=False, logprobs=req.logprobs is not None, echo=echo)
+        return await generate(request, gw, req, new_request_id("cmpl"), prompt_ids, sampling, spec, timer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        timer = RequestTimer()
+        req = parse_body(ChatCompletionRequest, await read_body(request, cfg.max_body_bytes))
+        gw.check_model(req.model)
+        sampling = req.to_sampling()
+        plan = plan_tools(req.tools, req.tool_choice, cfg.tool_call_parser)
+        t0 = timer.tokenize_started()
+        prompt_ids = await gw.tokenize_chat(
+            req.to_chat_messages(), req.add_generation_prompt, req.continue_final_message,
+            tools_json=plan.tools_json,
+            chat_template_kwargs_json=template_kwargs_json(req.chat_template_kwargs))
+        timer.tokenize_done(t0)
+        tool_parser = cfg.tool_call_parser if plan.parse_tool_calls else None
+        spec = ChoiceSpec(chat=True, logprobs=bool(req.logprobs),
+                          new_parser=lambda: make_output_parser(cfg.reasoning_parser, tool_parser,
+                                                                allowed_tools=plan.allowed_names))
+        return await generate(request, gw, req, new_request_id("chatcmpl"), prompt_ids, sampling,
+                              spec, timer)

@@ -1,0 +1,1 @@
+"""The gateway's openai/ room: OpenAI semantics: request models, choices, logprobs, stop strings, response shapes."""
