@@ -77,9 +77,9 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
                         "in a private temporary directory (default: plain, on 127.0.0.1)")
     from services.common.telemetry import add_tracing_args
     add_tracing_args(p)  # every service exports traces there (off by default)
-    from services.gateway.guard import security
+    from services.gateway import flags as gateway_flags
     from services.gateway.config import GatewayConfig
-    security.add_flags(p, GatewayConfig)  # API keys, TLS, intake limits: passed to the gateway
+    gateway_flags.add_flags(p, GatewayConfig)  # API keys, TLS, intake limits: passed to the gateway
     return p
 
 
@@ -105,7 +105,7 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:
-    from services.gateway.guard.security import gateway_argv
+    from services.gateway.flags import gateway_argv
     return gateway_argv(a)
 
 

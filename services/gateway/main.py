@@ -25,6 +25,7 @@ from services.gateway.clients.engine_pool import EnginePool, ReplicaSpec
 from services.gateway.grpc.api import SERVICE_NAME, add_to_server
 from services.gateway.http.app import create_app
 from services.gateway.http.context import with_request_context
+from services.gateway import flags
 from services.gateway.guard import security
 from services.gateway.service import Gateway
 from services.gateway.clients import pool_metrics
@@ -67,14 +68,14 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3")
     p.add_argument("--tool-call-parser", default=None, help="hermes | llama3_json")
-    security.add_flags(p, d)
+    flags.add_flags(p, d)
     internal_tls.add_flags(p)  # our clients of the tokenizer, scheduler and embedder
     args = p.parse_args(argv)
     for name in ("tokenizer_addrs", "engine_addrs"):  # unset: the default, or the supervisor's
         if getattr(args, name) is None:
             setattr(args, name, [] if args.supervisor_addr else getattr(d(), name))
     try:
-        kw = {k: v for k, v in security.config_kwargs(args).items() if not k.startswith("internal_tls_")}
+        kw = {k: v for k, v in flags.config_kwargs(args).items() if not k.startswith("internal_tls_")}
         return GatewayConfig(**kw, internal_tls=internal_tls.from_args(args))
     except ValueError as err:
         p.error(str(err))

@@ -1,0 +1,61 @@
+"""The gateway's security and intake flags (API keys, TLS, intake limits): parsed by the
+gateway's main, and passed on by launchers (`meshllm serve/up`) that start a gateway.
+
+This is one of the modules other packages may import (with main and config): the launcher
+in services/cli parses the same flags and hands them to the gateway as argv."""
+from __future__ import annotations
+
+import argparse
+
+from services.common.tls import CLIENT_AUTH, TlsConfig
+from services.gateway.guard.auth import collect_keys
+
+_SECURITY_DESTS = ("api_key", "api_key_file", "admin_api_key", "admin_api_key_file",
+                   "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_client_auth")
+
+
+def add_flags(p: argparse.ArgumentParser, defaults) -> None:
+    p.add_argument("--max-inflight-tokens", type=int, default=defaults.max_inflight_tokens,
+                   help="admission: prompt + max_tokens of all requests in flight (429 past it)")
+    p.add_argument("--max-compression-ratio", type=float,
+                   default=defaults.max_compression_ratio,
+                   help="refuse Content-Encoding bodies that expand more than this")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="a key clients send as 'Authorization: Bearer KEY' (repeatable; also "
+                        "MESHLLM_API_KEYS, comma separated)")
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
+    p.add_argument("--admin-api-key", action="append", default=[],
+                   help="a key for admin routes (repeatable; also MESHLLM_ADMIN_API_KEYS)")
+    p.add_argument("--admin-api-key-file", default=None, help="a file of admin keys")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA bundle that signs client certificates")
+    p.add_argument("--ssl-client-auth", choices=CLIENT_AUTH, default="none",
+                   help="client certificates: none | optional | require (mTLS)")
+
+
+def config_kwargs(args: argparse.Namespace) -> dict:
+    """The parsed flags as GatewayConfig keyword arguments (keys collected, TLS grouped)."""
+    kw = {k: v for k, v in vars(args).items() if k not in _SECURITY_DESTS}
+    kw["api_keys"] = collect_keys(args.api_key, args.api_key_file, "MESHLLM_API_KEYS")
+    kw["admin_api_keys"] = collect_keys(args.admin_api_key, args.admin_api_key_file,
+                                        "MESHLLM_ADMIN_API_KEYS")
+    kw["tls"] = TlsConfig(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
+                          args.ssl_client_auth)
+    return kw
+
+
+def gateway_argv(args: argparse.Namespace) -> list[str]:
+    """The security flags of `meshllm serve/up` (parsed by add_flags) as gateway flags."""
+    argv: list[str] = []
+    for flag in ("--max-inflight-tokens", "--max-compression-ratio", "--api-key-file",
+                 "--admin-api-key-file", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
+                 "--ssl-client-auth"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            argv += [flag, str(value)]
+    for key in args.api_key or []:
+        argv += ["--api-key", key]
+    for key in args.admin_api_key or []:
+        argv += ["--admin-api-key", key]
+    return argv
