@@ -5,8 +5,8 @@ throughput, TTFT vs the compute floor; `--peer` runs the transformers peer on th
   python3 bench/gpu_decode.py --out bench/results/gpu_decode.json
   python3 bench/gpu_decode.py --peer --out peer.json      # separate process (bounded by `timeout`)
 
-Drives the ModelRunner in-process with handmade StepPlans (no sockets, no scheduler process),
-both one step at a time (execute) and pipelined as the worker's engine loop runs it with async
+Drives the ModelRunner in-process with handmade step.proto plans through the worker's wire edge
+(wire.ProtoRunner: the engine loop's conversions, no sockets, no scheduler process), both one step at a time (execute) and pipelined as the worker's engine loop runs it with async
 scheduling (submit step N+1, then collect step N: host work hidden behind the GPU). Runs the
 decode and offline measurements with a bf16 KV cache and again with an fp8 one.
 """
@@ -28,6 +28,7 @@ from services.common import pb  # noqa: E402
 from services.worker.models.config import ModelConfig, RopeScaling  # noqa: E402
 from services.worker.models.llama import LayerWeights, LlamaModel  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
+from services.worker.wire import ProtoRunner  # noqa: E402
 
 BS = 16
 COPY_TBPS_NOMINAL = 4.3e12
@@ -117,7 +118,7 @@ GREEDY = pb.common.SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 def run(runner: ModelRunner, plan: pb.step.StepPlan) -> pb.step.StepResult:
-    res = runner.execute(plan)
+    res = ProtoRunner(runner).execute(plan)
     if res.HasField("error"):
         raise RuntimeError(res.error.message)
     return res
@@ -156,6 +157,7 @@ def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: i
     replay_ms = cuda_time_ms(graph[0].replay, 20) if graph else None
     # Pipelined, as the engine loop runs with async scheduling: step s+1 is submitted before
     # step s is collected, its input ids read from the sampler's device buffer.
+    wired = ProtoRunner(runner)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     pending = None
@@ -163,11 +165,11 @@ def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: i
         plan = reqs.plan()
         for rid in ids:
             plan.cached_requests.add(request_id=rid, num_computed_tokens=start + s, num_scheduled_tokens=1)
-        nxt = runner.submit(plan)
+        nxt = wired.submit(plan)
         if pending is not None:
-            checked(runner.collect(pending))
+            checked(wired.collect(pending))
         pending = nxt
-    checked(runner.collect(pending))
+    checked(wired.collect(pending))
     pipelined_ms = (time.perf_counter() - t0) * 1e3 / steps
     done = reqs.plan()
     done.finished_ids.extend(ids)
@@ -208,6 +210,7 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
     out_tokens, steps, prefill_steps, max_batch = 0, 0, 0, 0
     inflight: list = []
     depth = 2 if pipelined else 1
+    wired = ProtoRunner(runner)
     t0 = time.perf_counter()
     while waiting or running or inflight:
         if (waiting or running) and len(inflight) < depth and time.perf_counter() - t0 < time_cap_s:
@@ -231,13 +234,13 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             for rid in [r for r, st in running.items() if st[0] >= out_len]:
                 free += running.pop(rid)[1]   # reused only by later steps: stream order keeps it safe
                 finished.append(rid)
-            inflight.append(runner.submit(plan))
+            inflight.append(wired.submit(plan))
             steps += 1
             if len(inflight) < depth:
                 continue
         if not inflight:
             break
-        res = checked(runner.collect(inflight.pop(0)))
+        res = checked(wired.collect(inflight.pop(0)))
         out_tokens += sum(len(o.token_ids) for o in res.outputs)
     wall = time.perf_counter() - t0
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
@@ -428,11 +431,8 @@ def main() -> int:
     for kv_name in args.kv_dtypes.split(","):
         kv_dtype = {"bf16": None, "fp8": torch.float8_e4m3fn}[kv_name]
         kv_bytes = kv_elems_per_token * (1 if kv_dtype is not None else 2)
-        runner = kv_runner(model, args.kv_gib, kv_dtype)
-        t1 = time.perf_counter()
-        runner.gpu.capture_all()
-        torch.cuda.synchronize()
-        res.setdefault("setup", {})[kv_name] = {"graph_capture_s": time.perf_counter() - t1,
+        runner = kv_runner(model, args.kv_gib, kv_dtype)   # captures every decode graph (start-up)
+        res.setdefault("setup", {})[kv_name] = {"graph_capture_s": runner.graph_capture_s,
                                                 "num_kv_blocks": runner.num_blocks, "graph_sizes": runner.gpu.graph_sizes}
         print("setup", kv_name, res["setup"][kv_name], flush=True)
         for b in (1, 64, 256):

@@ -1,5 +1,6 @@
 """Drives a ModelRunner with the real scheduler core, synchronously or pipelined like the worker's
-engine loop (submit step N+1, then collect step N), for the overlap tests on CPU and GPU."""
+engine loop (submit step N+1, then collect step N), for the overlap tests on CPU and GPU. Plans
+and results cross the worker's wire edge (wire.ProtoRunner) as they do over ZMQ."""
 from __future__ import annotations
 
 from collections import deque
@@ -10,6 +11,7 @@ from services.common import pb
 from services.scheduler import wire
 from services.scheduler.core import Request, Scheduler, SchedulerConfig
 from services.worker.runner import ModelRunner
+from services.worker.wire import ProtoRunner
 
 BLOCK = 4
 NEW = 10
@@ -42,6 +44,7 @@ def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, execut
     if executor is not None:
         runner.gpu = executor(runner)
     runner.overlap = overlap
+    wired = ProtoRunner(runner)
     cfg = SchedulerConfig(max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8, block_size=BLOCK,
                           enable_prefix_caching=False)
     s = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
@@ -55,7 +58,7 @@ def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, execut
 
     def finish():
         plan, handle = inflight.popleft()
-        result = runner.collect(handle)
+        result = wired.collect(handle)
         assert not result.HasField("error"), result.error.message
         for o in result.outputs:
             logprobs.setdefault(o.request_id, []).extend(lp.logprob for lp in o.logprobs)
@@ -67,8 +70,8 @@ def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, execut
             plan = s.schedule()
             if not plan.is_empty():
                 msg = wire.plan_to_proto(plan).plan
-                inflight.append((plan, runner.submit(msg)))
-                max_unresolved = max(max_unresolved, len(runner._unresolved))
+                inflight.append((plan, wired.submit(msg)))
+                max_unresolved = max(max_unresolved, runner.num_unresolved)
                 if len(inflight) < depth:
                     continue
             else:

@@ -1,4 +1,4 @@
-"""Worker-only decode throughput: ModelRunner.execute on handmade plans, no sockets.
+"""Worker-only decode throughput: ModelRunner.execute on handmade plans (plan.py), no sockets.
 
   .venv/bin/python -m services.worker.bench --model DIR [--batch 1 16] [--prompt-len 64] [--tokens 64]
 """
@@ -12,8 +12,8 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker's main() does, before torch loads
 import torch  # noqa: E402
 
-from services.common import pb  # noqa: E402
 from services.worker.models import load_model  # noqa: E402
+from services.worker.plan import CachedRequest, NewRequest, SamplingConfig, StepPlan  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
 
 
@@ -23,25 +23,21 @@ def bench_decode(runner: ModelRunner, batch: int, prompt_len: int, tokens: int, 
     rng = random.Random(batch)
     free = list(range(runner.num_blocks))
     rng.shuffle(free)
-    plan = pb.step.StepPlan(step_id=0)
-    for i in range(batch):
-        plan.new_requests.add(request_id=f"b{i}", token_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
-                              block_ids=[free.pop() for _ in range(blocks_per_req)],
-                              num_scheduled_tokens=prompt_len)
+    greedy = SamplingConfig()
+    plan = StepPlan(0, [NewRequest(f"b{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                                   [free.pop() for _ in range(blocks_per_req)], greedy,
+                                   num_scheduled_tokens=prompt_len) for i in range(batch)], [], [])
     t0 = time.perf_counter()
     res = runner.execute(plan)
-    assert not res.HasField("error"), res.error.message
+    assert res.error is None, res.error
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for step in range(1, tokens):
-        plan = pb.step.StepPlan(step_id=step)
-        for i in range(batch):
-            plan.cached_requests.add(request_id=f"b{i}", num_computed_tokens=prompt_len + step - 1,
-                                     num_scheduled_tokens=1)
+        plan = StepPlan(step, [], [CachedRequest(f"b{i}", [], prompt_len + step - 1, 1) for i in range(batch)], [])
         res = runner.execute(plan)
-        assert not res.HasField("error"), res.error.message
+        assert res.error is None, res.error
     decode_s = time.perf_counter() - t0
-    runner.execute(pb.step.StepPlan(step_id=tokens, finished_ids=[f"b{i}" for i in range(batch)]))
+    runner.execute(StepPlan(tokens, [], [], [f"b{i}" for i in range(batch)]))
     n = batch * (tokens - 1)
     return {"batch": batch, "prefill_s": prefill_s, "decode_tok_s": n / decode_s,
             "step_ms": 1000 * decode_s / (tokens - 1)}

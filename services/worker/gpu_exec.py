@@ -132,7 +132,11 @@ class GpuExecutor:
         bucket = next((b for b in self.graph_sizes if b >= n), None) if decode_only else None
         if bucket is not None:
             self._stage(ids, positions, seqs, pad_to=bucket, src=src)
-            graph, logits = self.graphs.get(bucket) or self._capture(bucket)
+            entry = self.graphs.get(bucket)
+            if entry is None:  # not captured at start-up (capture_all skipped, or this one dropped)
+                entry = self._capture(bucket)
+                log.info("captured decode CUDA graph for batch %d", bucket)
+            graph, logits = entry
             graph.replay()
             return logits[:n]
         self._stage(ids, positions, seqs, src=src)
@@ -165,15 +169,22 @@ class GpuExecutor:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = compute_logits_triton(self.model, self._forward(b, b, 1))
         self.graphs[b] = (graph, logits)
-        log.info("captured decode CUDA graph for batch %d", b)
+        log.debug("captured decode CUDA graph for batch %d", b)
         return graph, logits
 
     def capture_all(self, sizes: Sequence[int] | None = None) -> None:
-        """Capture every bucket up front (largest first, so smaller ones reuse its pool)."""
+        """Capture every bucket up front (largest first, so smaller ones reuse its pool). The
+        runner calls this right after allocating the KV cache the graphs point into."""
         for b in sorted(sizes or self.graph_sizes, reverse=True):
             if b not in self.graphs:
                 self._stage([], [], [], pad_to=b)   # padding rows only: nothing touches the cache
                 self._capture(b)
+
+    def drop_graphs(self) -> None:
+        """Run every step eagerly from now on (after a failed capture): no graphs, no buckets."""
+        self.graphs.clear()
+        self.graph_sizes = []
+        self.pool = None
 
 
 class _Staging:

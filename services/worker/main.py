@@ -1,4 +1,4 @@
-"""`python -m services.worker --model DIR --zmq-addr ADDR ...`: parse flags, validate, serve."""
+"""`python -m services.worker --model DIR --zmq-addr ADDR ...`: parse flags, validate, pick the runner, serve."""
 from __future__ import annotations
 
 import argparse
@@ -91,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     # shares cores with the other services; sleeping threads cost little. Must be set before
     # torch (and its OpenMP runtime) is loaded; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if cfg.simulate:
-        from services.worker.simulated import serve as serve_simulated
-        return asyncio.run(serve_simulated(cfg))
+    # The runner is picked here; torch is imported only after the flags are valid, and never for
+    # the simulated runner.
     if cfg.tp_rank:  # a tensor-parallel rank started by rank 0: no sockets, plans come from rank 0
+        from services.worker.load import load_model_runner
         from services.worker.tp_ranks import follower_main
-        return follower_main(cfg)
-    from services.worker.server import serve  # torch import only after the flags are valid
-    return asyncio.run(serve(cfg))
+        return follower_main(cfg, load_model_runner)
+    from services.worker.engine import serve
+    if cfg.simulate:
+        from services.worker.simulated import simulated_source as source
+    else:
+        from services.worker.load import model_source as source
+    return asyncio.run(serve(cfg, source))

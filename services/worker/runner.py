@@ -1,6 +1,7 @@
 """ModelRunner: per-request worker state + the KV cache, turning a StepPlan into a StepResult.
 
-The plan is a diff (step.proto): NewRequest carries every known token and the block table
+Plans and results are plan.py's values (wire.py converts the protobuf messages). The plan is a
+diff (step.proto): NewRequest carries every known token and the block table
 once; CachedRequest only new block ids and counts; finished_ids drop state. For each
 scheduled request we run tokens [num_computed, num_computed + num_scheduled) of its token
 list; when that reaches the end of the known tokens we sample one token and append it, so
@@ -25,20 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common import pb
 from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models.llama import LlamaModel
-from services.worker.sampling import (SampleHandle, SampleRow, SamplingConfig, SamplingParamsError,
-                                      new_base_seed, sample_async)
+from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, PlanError, SampledOutput, SamplingConfig, StepPlan,
+                                  StepResult, TokenLogprob, WorkerInfo)
+from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
 
 log = logging.getLogger(__name__)
 
 MAX_BLOCK_SIZE = 1024
 MIN_REQUEST_CAP = 1024
-
-
-class PlanError(ValueError):
-    """A StepPlan that contradicts the worker's state or limits (INVALID_ARGUMENT)."""
 
 
 @dataclass
@@ -82,7 +79,7 @@ class PendingStep:
     sampling_seqs: list[_Scheduled]
     handle: SampleHandle | None
     t0: int
-    result: pb.step.StepResult | None = None   # set at once for a rejected or failed step
+    result: StepResult | None = None           # set at once for a rejected or failed step
     sampled: dict | None = None                # request id -> SampledToken, once resolved
     forward_ns: int = 0
 
@@ -113,7 +110,17 @@ class ModelRunner:
         self._unresolved: list[PendingStep] = []  # submitted, tokens not read yet (oldest first)
         self._cpu_prev = torch.zeros(0, dtype=torch.long)  # the CPU path's prev_tokens
         self._last_done_ns = 0
+        self.graph_capture_s = 0.0                # how long the last start-up capture took
         self.allocate_kv_cache(block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    @property
+    def num_unresolved(self) -> int:
+        """Steps submitted whose tokens the host has not read yet (2 while steps overlap)."""
+        return len(self._unresolved)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self, block_size: int) -> None:
@@ -138,23 +145,38 @@ class ModelRunner:
                                    graph_sizes=None if self.enforce_eager else DEFAULT_GRAPH_SIZES)
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
                  num_blocks * self.model.kv_bytes_per_block(block_size, self.kv_dtype) / 2**30)
+        if self.gpu is not None and self.gpu.graph_sizes:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Every decode bucket's CUDA graph now, against this cache: a capture in the middle of
+        serving would stall the step that first needs it (seconds for a large model). A failed
+        capture (e.g. out of memory) leaves the worker serving eagerly, never down."""
+        t0 = time.perf_counter()
+        try:
+            self.gpu.capture_all()
+            torch.cuda.synchronize(self.model.device)
+        except Exception as exc:  # noqa: BLE001 - the eager path needs none of it
+            log.warning("CUDA graph capture failed (%s: %s): decode steps run eagerly", type(exc).__name__, exc)
+            self.gpu.drop_graphs()
+            return
+        self.graph_capture_s = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs in %.1f s (batch sizes %d..%d)", len(self.gpu.graphs),
+                 self.graph_capture_s, self.gpu.graph_sizes[0], self.gpu.graph_sizes[-1])
 
     @property
     def max_requests(self) -> int:
         return max(MIN_REQUEST_CAP, self.num_blocks)
 
-    def hello(self, block_size: int) -> pb.step.WorkerInfo:
+    def hello(self, block_size: int) -> WorkerInfo:
         """A (re)connecting scheduler starts from an empty block pool: drop every request."""
         self._resolve_all()
         if block_size != self.block_size:
             self.allocate_kv_cache(block_size)
         self.requests.clear()
         cfg = self.model.cfg
-        return pb.step.WorkerInfo(
-            num_kv_blocks=self.num_blocks, block_size=self.block_size,
-            max_model_len=self.model.max_model_len, vocab_size=cfg.vocab_size,
-            eos_token_ids=list(cfg.eos_token_ids), model_name=self.model_name,
-            device=describe_device(self.model.device))
+        return WorkerInfo(self.num_blocks, self.block_size, self.model.max_model_len, cfg.vocab_size,
+                          tuple(cfg.eos_token_ids), self.model_name, describe_device(self.model.device))
 
     # ---- plan validation and application --------------------------------------------------
     def _check_blocks(self, rid: str, block_ids) -> None:
@@ -175,11 +197,13 @@ class ModelRunner:
             raise PlanError(f"request {rid}: {end} tokens need {-(-end // self.block_size)} blocks, "
                             f"table has {num_blocks}")
 
-    def _validate(self, plan: pb.step.StepPlan) -> dict[str, SamplingConfig]:
-        """Check the whole plan before touching any state, so a bad plan changes nothing."""
+    def _validate(self, plan: StepPlan) -> None:
+        """Check the whole plan before touching any state, so a bad plan changes nothing.
+        (Sampling parameters were checked by the wire: a plan it refused arrives `invalid`.)"""
+        if plan.invalid:
+            raise PlanError(plan.invalid)
         finished = set(plan.finished_ids)
         seen: set[str] = set()
-        sampling: dict[str, SamplingConfig] = {}
         vocab = self.model.cfg.vocab_size
         total = 0
         live = sum(1 for rid in self.requests if rid not in finished)
@@ -197,10 +221,6 @@ class ModelRunner:
             self._check_blocks(rid, r.block_ids)
             self._check_span(rid, r.num_computed_tokens, r.num_scheduled_tokens, len(r.token_ids),
                              len(r.block_ids))
-            try:
-                sampling[rid] = SamplingConfig.from_proto(r.sampling, vocab)
-            except SamplingParamsError as exc:
-                raise PlanError(f"request {rid}: {exc}") from None
             total += r.num_scheduled_tokens
             live += 1
         for r in plan.cached_requests:
@@ -222,15 +242,14 @@ class ModelRunner:
                             f"{self.gpu.max_tokens} / {self.gpu.max_seqs}")
         if total > self.num_blocks * self.block_size:
             raise PlanError(f"{total} tokens in one step exceed the KV cache ({self.num_blocks} blocks)")
-        return sampling
 
-    def _apply(self, plan: pb.step.StepPlan, sampling: dict[str, SamplingConfig]) -> list[_Scheduled]:
+    def _apply(self, plan: StepPlan) -> list[_Scheduled]:
         for rid in plan.finished_ids:
             # Unknown ids are fine: a request may finish before the worker ever saw it.
             self.requests.pop(rid, None)
         scheduled = []
         for r in plan.new_requests:
-            cfg = sampling[r.request_id]
+            cfg = r.sampling
             state = RequestState(r.request_id, list(r.token_ids), list(r.block_ids), cfg,
                                  new_base_seed(cfg, self.seed_rng), r.num_output_tokens, r.num_computed_tokens)
             self.requests[r.request_id] = state
@@ -242,35 +261,35 @@ class ModelRunner:
         return scheduled
 
     # ---- execution ------------------------------------------------------------------------
-    def execute(self, plan: pb.step.StepPlan) -> pb.step.StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
         """Run one step to the end. Never raises: failures come back as StepResult.error."""
         return self.collect(self.submit(plan))
 
-    def submit(self, plan: pb.step.StepPlan) -> PendingStep:
+    def submit(self, plan: StepPlan) -> PendingStep:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
         try:
-            sampling = self._validate(plan)
+            self._validate(plan)
         except PlanError as exc:
             log.warning("step %d rejected: %s", plan.step_id, exc)
             return PendingStep(plan.step_id, [], [], None, t0,
-                               result=_error(plan.step_id, pb.common.ERROR_CODE_INVALID_ARGUMENT, str(exc)))
+                               result=StepResult.failed(plan.step_id, INVALID_ARGUMENT, str(exc)))
         try:
             # Inputs may point at the latest submitted step's samples only: older ones, and that
             # one too when the host needs its tokens (or there is no overlap), are read first.
             keep = self.overlap and not self._needs_host_tokens(plan)
             for p in list(self._unresolved[:-1] if keep else self._unresolved):
                 self._resolve(p)
-            scheduled = self._apply(plan, sampling)
+            scheduled = self._apply(plan)
             if not scheduled:   # only finished_ids: nothing to run
                 return PendingStep(plan.step_id, [], [], None, t0, sampled={})
             return self._launch(plan.step_id, scheduled, t0)
         except Exception as exc:  # one bad step must not kill the worker
             log.exception("step %d failed", plan.step_id)
-            return PendingStep(plan.step_id, [], [], None, t0, result=_error(
-                plan.step_id, pb.common.ERROR_CODE_INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}"))
+            return PendingStep(plan.step_id, [], [], None, t0, result=StepResult.failed(
+                plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}"))
 
-    def collect(self, step: PendingStep) -> pb.step.StepResult:
+    def collect(self, step: PendingStep) -> StepResult:
         """Wait for a submitted step's tokens (and every earlier step's) -> its StepResult."""
         if step.result is not None:
             return step.result
@@ -281,27 +300,24 @@ class ModelRunner:
                 self._resolve(self._unresolved[0])
         except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the sync
             log.exception("step %d failed", step.step_id)
-            return _error(step.step_id, pb.common.ERROR_CODE_INTERNAL,
-                          f"worker step failed: {type(exc).__name__}: {exc}")
-        result = pb.step.StepResult(step_id=step.step_id, forward_ns=step.forward_ns)
+            return StepResult.failed(step.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
         sampled = step.sampled or {}
+        outputs = []
         for s in step.scheduled:
-            out = result.outputs.add(request_id=s.state.request_id)
-            tok = sampled.get(s.state.request_id)
-            if tok is None:
+            rid = s.state.request_id
+            tok = sampled.get(rid)
+            if tok is None:  # a prompt chunk short of the prompt's end
+                outputs.append(SampledOutput(rid, [], []))
                 continue
-            out.token_ids.append(tok.token_id)
-            if tok.logprob is not None:
-                lp = out.logprobs.add(token_id=tok.token_id, logprob=tok.logprob)
-                for tid, val in tok.top or ():
-                    lp.top.add(token_id=tid, logprob=val)
-        return result
+            lps = [] if tok.logprob is None else [TokenLogprob(tok.token_id, tok.logprob, tok.top or [])]
+            outputs.append(SampledOutput(rid, [tok.token_id], lps))
+        return StepResult(step.step_id, outputs, step.forward_ns)
 
     def ready(self, step: PendingStep) -> bool:
         """Would collect(step) return without waiting for the device?"""
         return step.handle is None or step not in self._unresolved or step.handle.ready()
 
-    def _needs_host_tokens(self, plan: pb.step.StepPlan) -> bool:
+    def _needs_host_tokens(self, plan: StepPlan) -> bool:
         """Penalties read the token history: a pending token must reach the host first."""
         for r in plan.cached_requests:
             state = self.requests.get(r.request_id)
@@ -411,13 +427,6 @@ class ModelRunner:
 def resolve_ids(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
     """ids with src >= 0 replaced by prev_tokens[src] (what kernels/embedding.py does on a GPU)."""
     return torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids)
-
-
-def _error(step_id: int, code: int, message: str) -> pb.step.StepResult:
-    result = pb.step.StepResult(step_id=step_id)
-    result.error.code = code
-    result.error.message = message
-    return result
 
 
 def describe_device(device: torch.device) -> str:

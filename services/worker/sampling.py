@@ -21,88 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Requests asking for more top logprobs than this are clamped (the gateway enforces its own
-# limit; this only bounds the worker's work).
-MAX_TOP_LOGPROBS = 20
-_GREEDY_EPS = 1e-5
+from services.worker.plan import SamplingConfig
+
 _MASK64 = (1 << 64) - 1
-
-
-class SamplingParamsError(ValueError):
-    """Sampling parameters that cannot be honoured (reported as INVALID_ARGUMENT)."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0                  # <= 0: off
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None     # None: no logprobs; N: the sampled token's + top N
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-    @classmethod
-    def from_proto(cls, sp, vocab_size: int) -> "SamplingConfig":
-        """Validate a pb.common.SamplingParams; zero values mean "default" (see common.proto)."""
-        def finite(name: str, v: float) -> float:
-            if v != v or v in (float("inf"), float("-inf")):
-                raise SamplingParamsError(f"{name} must be finite")
-            return float(v)
-
-        temperature = finite("temperature", sp.temperature)
-        if temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {temperature}")
-        top_p = finite("top_p", sp.top_p)
-        if not 0.0 <= top_p <= 1.0:
-            raise SamplingParamsError(f"top_p must be in [0, 1], got {top_p}")
-        min_p = finite("min_p", sp.min_p)
-        if not 0.0 <= min_p <= 1.0:
-            raise SamplingParamsError(f"min_p must be in [0, 1], got {min_p}")
-        rep = finite("repetition_penalty", sp.repetition_penalty)
-        if rep < 0:
-            raise SamplingParamsError(f"repetition_penalty must be >= 0, got {rep}")
-        bias = []
-        for tid, b in sorted(sp.logit_bias.items()):
-            if not 0 <= tid < vocab_size:
-                raise SamplingParamsError(f"logit_bias token id {tid} outside the vocabulary")
-            bias.append((int(tid), finite("logit_bias", b)))
-        stops = tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size)
-        logprobs = None
-        if sp.HasField("logprobs"):
-            if sp.logprobs < 0:
-                raise SamplingParamsError(f"logprobs must be >= 0, got {sp.logprobs}")
-            logprobs = min(sp.logprobs, MAX_TOP_LOGPROBS, vocab_size)
-        return cls(
-            temperature=temperature,
-            top_p=1.0 if top_p == 0.0 else top_p,
-            top_k=sp.top_k if sp.top_k > 0 else 0,
-            min_p=min_p,
-            presence_penalty=finite("presence_penalty", sp.presence_penalty),
-            frequency_penalty=finite("frequency_penalty", sp.frequency_penalty),
-            repetition_penalty=1.0 if rep == 0.0 else rep,
-            seed=sp.seed if sp.HasField("seed") else None,
-            logprobs=logprobs,
-            logit_bias=tuple(bias),
-            min_tokens=max(0, sp.min_tokens),
-            stop_token_ids=stops,
-            ignore_eos=sp.ignore_eos,
-        )
 
 
 def new_base_seed(cfg: SamplingConfig, rng: random.Random | None = None) -> int:

@@ -17,9 +17,11 @@ only with the next request). The per-request entry is dropped with `finished_ids
 runner drops its own state.
 
 Cost per step: one truthiness test while no traced request is resident. Otherwise the
-step's outputs are scanned (one dict lookup each; reading a protobuf repeated field costs
-~0.5 us per element) only on steps where a traced request is in prefill or has a decode
-span due; on other steps the cost is a dict pop. Spans per step: traced requests finishing
+step's outputs are scanned (one dict lookup each) only on steps where a traced request is in
+prefill or has a decode span due; on other steps the cost is a dict pop.
+
+Plans and results are the worker's values (plan.py); a NewRequest's `trace` is None when the
+request is not traced. Spans per step: traced requests finishing
 prefill plus at most `max_step_spans`.
 """
 from __future__ import annotations
@@ -33,9 +35,9 @@ class _Traced:
     __slots__ = ("request_id", "traceparent", "tracestate", "first_ns", "chunks", "first_token_step",
                  "attributes")
 
-    def __init__(self, nr, first_ns: int) -> None:
+    def __init__(self, nr, trace, first_ns: int) -> None:
         self.request_id = nr.request_id
-        self.traceparent, self.tracestate = nr.trace.traceparent, nr.trace.tracestate
+        self.traceparent, self.tracestate = trace.traceparent, trace.tracestate
         self.first_ns = first_ns
         self.chunks = 0
         self.first_token_step = 0  # the worker step that sampled its first token; 0: in prefill
@@ -64,7 +66,7 @@ class StepTracer:
         return len(self._resident)
 
     def on_step(self, plan, result, start_ns: int, end_ns: int) -> None:
-        """After a step ran: `plan` (pb StepPlan), `result` (pb StepResult), wall-clock ns."""
+        """After a step ran: `plan` (StepPlan), `result` (StepResult), wall-clock ns."""
         self._step += 1
         resident = self._resident
         if resident:
@@ -72,8 +74,9 @@ class StepTracer:
                 if resident.pop(rid, None) is not None:
                     self._prefilling.pop(rid, None)
         for nr in plan.new_requests:
-            if nr.trace.traceparent and len(resident) < MAX_RESIDENT:
-                resident[nr.request_id] = self._prefilling[nr.request_id] = _Traced(nr, start_ns)
+            trace = nr.trace
+            if trace is not None and trace.traceparent and len(resident) < MAX_RESIDENT:
+                resident[nr.request_id] = self._prefilling[nr.request_id] = _Traced(nr, trace, start_ns)
         if not resident:
             self._due.clear()
             return

@@ -16,7 +16,11 @@ so every rank samples the same tokens and keeps the same token lists.
 
 Failure is all-or-nothing: a rank that exits makes rank 0 exit (its watcher thread), rank 0
 exiting kills the others (PR_SET_PDEATHSIG), and a step that fails inside the runner on any
-rank is fatal there, because the ranks may now disagree or wait in a collective forever.
+rank is fatal there (engine.TpStepFailed), because the ranks may now disagree or wait in a
+collective forever.
+
+Imports: this module uses the engine (follower_main runs its `handle`); the engine never imports
+this one back (it only holds the TpLink that serve() hands it).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from services.common.ports import free_port
 from services.common.procs import die_with_parent
 from services.worker.config import WorkerConfig
+from services.worker.engine import Engine, LoadFailed, Runner
 from services.worker.models.config import ModelConfigError, load_model_config
 from services.worker.tp import check_tp_size, init_tp
 
@@ -45,10 +51,6 @@ HEARTBEAT_S = 10.0        # idle rank 0 pings the others this often
 CLOSE_TIMEOUT_S = 3.0     # a clean stop must fit the 15 s hard-exit timer of install_stop_handlers
 COLLECTIVE_TIMEOUT_S = 1800.0  # rendezvous, loading and any one collective (the heartbeat is far below)
 _STOP = -1
-
-
-class TpStepFailed(RuntimeError):
-    """A step failed inside the runner of a tensor-parallel rank: the worker cannot go on."""
 
 
 class TpLink:
@@ -183,19 +185,18 @@ def start_ranks(cfg: WorkerConfig) -> tuple[WorkerConfig, RankProcesses]:
     return cfg, RankProcesses(cfg)
 
 
-def follower_main(cfg: WorkerConfig) -> int:
-    """Ranks > 0: load the shard, then run every request rank 0 fans out until it says stop."""
-    from services.worker.server import Engine
-
+def follower_main(cfg: WorkerConfig, load_runner: Callable[[WorkerConfig, TpLink], Runner]) -> int:
+    """Ranks > 0: load the shard (`load_runner`: load.load_model_runner, passed in by main.py),
+    then run every request rank 0 fans out until it says stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 decides
     link = TpLink(cfg)
-    engine = Engine(cfg, None, link)
+    engine = Engine(cfg, None, lambda: load_runner(cfg, link), link)
     try:
         engine.load()
         while (payload := link.recv()) is not None:
             if payload:
                 engine.handle(payload)
-    except ModelConfigError as exc:
+    except LoadFailed as exc:
         log.error("cannot serve %s: %s", cfg.model, exc)
         return 1
     except Exception:  # noqa: BLE001 - logged; rank 0's watcher takes the worker down

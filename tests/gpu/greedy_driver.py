@@ -1,14 +1,15 @@
-"""Greedy continuations with top-2 logprobs through ModelRunner.execute (or submit / collect),
-identical on CPU and GPU (one prefill step for every prompt, then decode steps), for the SmolLM2
-parity check."""
+"""Greedy continuations with top-2 logprobs through a runner's execute (or submit / collect) on
+step.proto plans, identical on CPU and GPU (one prefill step for every prompt, then decode steps),
+for the SmolLM2 parity check."""
 from __future__ import annotations
 
 from services.common import pb
-from services.worker.runner import ModelRunner
 
 
-def greedy_with_top2(runner: ModelRunner, prompts: list[list[int]], max_new: int, pipelined: bool = False):
+def greedy_with_top2(runner, prompts: list[list[int]], max_new: int, pipelined: bool = False):
     """-> (tokens [P][max_new], top2 [P][max_new] of ((id, logprob), (id, logprob))).
+    `runner`: anything that takes pb plans and gives pb results: a ModelRunner behind
+    services.worker.wire.ProtoRunner, or tp_worker's ZMQ client.
     pipelined: submit step N+1 before collecting step N, as the worker's engine loop does."""
     bs = runner.block_size
     plan = pb.step.StepPlan(step_id=0)

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from services.models import prepare_model
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
+from services.worker.wire import ProtoRunner
 from tests.gpu.greedy_driver import greedy_with_top2
 
 PROMPTS = [
@@ -35,7 +36,7 @@ def main() -> None:
     model = load_model(model_dir, "cpu", torch.float32, max_model_len=512)
     runner = ModelRunner(model, model_name="ref", kv_cache_bytes=0, num_kv_blocks=128, block_size=16)
     runner.hello(16)
-    toks, top2 = greedy_with_top2(runner, prompts, MAX_NEW)
+    toks, top2 = greedy_with_top2(ProtoRunner(runner), prompts, MAX_NEW)
     OUT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> fp32)", "device": "cpu float32",
                                "max_new": MAX_NEW, "prompts": prompts, "tokens": toks, "top2": top2}))
     print(f"wrote {OUT}")

@@ -6,6 +6,7 @@ import torch
 
 from services.common import pb
 from services.worker.sampling import SampleRow, SamplingConfig, sample
+from services.worker.wire import sampling_from_proto
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -17,7 +18,7 @@ def test_seeded_sampling_on_cuda_is_batch_invariant_with_every_feature():
     sp = pb.common.SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, presence_penalty=0.5,
                                   frequency_penalty=0.3, repetition_penalty=1.2, seed=1234, logprobs=3,
                                   logit_bias={7: 5.0})
-    cfg = SamplingConfig.from_proto(sp, v)
+    cfg = sampling_from_proto(sp, v)
     others = [SamplingConfig(), SamplingConfig(temperature=1.0, seed=9), SamplingConfig(temperature=0.5, top_k=5)]
     history = [3, 7, 7, 100, 2000]
     target = SampleRow(cfg, history, 3, cfg.seed)

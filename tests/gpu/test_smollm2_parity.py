@@ -16,6 +16,7 @@ import torch
 
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
+from services.worker.wire import ProtoRunner
 from tests.gpu.greedy_driver import compare, greedy_with_top2
 
 REF = Path(__file__).parent / "data" / "smollm2_greedy_ref.json"
@@ -42,7 +43,7 @@ def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_reference(model_dir):
         runner = ModelRunner(model, model_name="smollm2", kv_cache_bytes=0, num_kv_blocks=128,
                              block_size=16, enforce_eager=eager)
         runner.hello(16)
-        toks, top2 = greedy_with_top2(runner, ref["prompts"], ref["max_new"], pipelined)
+        toks, top2 = greedy_with_top2(ProtoRunner(runner), ref["prompts"], ref["max_new"], pipelined)
         report[mode] = compare(ref["tokens"], ref["top2"], toks, top2)
         report[mode]["tokens"] = toks
     out_dir = os.environ.get("MESHLLM_GPU_REPORT_DIR")

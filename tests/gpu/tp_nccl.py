@@ -16,6 +16,7 @@ import torch.distributed as dist
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
 from services.worker.tp import init_tp, shard_model
+from services.worker.wire import ProtoRunner
 from tests.unit.tiny_llama import make_tiny_llama
 from tests.gpu.greedy_driver import compare, greedy_with_top2
 
@@ -23,11 +24,11 @@ PROMPTS = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30], [70, 2, 44, 12, 90, 13]
 
 
 def greedy(model, eager: bool):
-    """-> (tokens, top2) through ModelRunner.execute (tests/gpu/greedy_driver.py)."""
+    """-> (tokens, top2) through ModelRunner.execute behind the wire edge (tests/gpu/greedy_driver.py)."""
     runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=64, block_size=16,
                          enforce_eager=eager)
     runner.hello(16)
-    return greedy_with_top2(runner, PROMPTS, 16)
+    return greedy_with_top2(ProtoRunner(runner), PROMPTS, 16)
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ import zmq
 from services.common import pb
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
+from services.worker.wire import ProtoRunner
 from tests.gpu.greedy_driver import compare, greedy_with_top2
 from tests.unit.tiny_llama import make_tiny_llama
 
@@ -113,7 +114,7 @@ def main() -> int:
         ref = ModelRunner(load_model(model, ref_dev, getattr(torch, dtype)), model_name="tiny", kv_cache_bytes=0,
                           num_kv_blocks=BLOCKS, block_size=BS)
         ref.hello(BS)
-        ref_t, ref_top = greedy_with_top2(ref, PROMPTS, NEW)
+        ref_t, ref_top = greedy_with_top2(ProtoRunner(ref), PROMPTS, NEW)
         t0 = time.monotonic()
         proc, addr = start_worker(model, a.device, dtype, 2, tmp, f"w_{dtype}")
         conn = Conn(addr)

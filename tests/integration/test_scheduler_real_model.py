@@ -19,10 +19,12 @@ QUESTIONS = ["What is the boiling point of water?", "Name a prime number larger 
 
 
 class RealWorker:
-    """Adapts the real ModelRunner to the simulated-worker interface the Driver uses."""
+    """Adapts the real ModelRunner to the simulated-worker interface the Driver uses; the plans
+    cross both wire edges (the scheduler's and the worker's) as they do over ZMQ."""
 
     def __init__(self, runner) -> None:
-        self.runner = runner
+        from services.worker.wire import ProtoRunner
+        self.runner = ProtoRunner(runner)
 
     def run(self, plan):
         result = self.runner.execute(wire.plan_to_proto(plan).plan)

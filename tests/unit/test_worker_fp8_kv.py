@@ -13,6 +13,7 @@ from services.worker.attention import SeqSchedule, build_attn_metadata, dequanti
 from services.worker.config import WorkerConfig
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
+from services.worker.wire import ProtoRunner
 from tests.unit.tiny_llama import make_tiny_llama
 from tests.worker_driver import MiniScheduler
 
@@ -107,7 +108,7 @@ def run_greedy(model, kv_dtype, ps: list[list[int]], max_new: int) -> dict[str, 
     r = ModelRunner(model, model_name="smol", kv_cache_bytes=0, num_kv_blocks=64, block_size=BLOCK,
                     kv_cache_dtype=kv_dtype)
     r.hello(BLOCK)
-    sched = MiniScheduler(r.execute, BLOCK, 64, budget=40)   # chunked prefill and mixed steps
+    sched = MiniScheduler(ProtoRunner(r).execute, BLOCK, 64, budget=40)   # chunked prefill and mixed steps
     for i, p in enumerate(ps):
         sched.add(f"r{i}", p, max_new)
     return sched.run()

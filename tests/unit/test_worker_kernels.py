@@ -177,6 +177,7 @@ def reference_and_kernel_runs(model, kv_cache_dtype=None):
     torch reference forward, then through the GPU executor's Triton path under the interpreter."""
     from services.worker.gpu_exec import GpuExecutor
     from services.worker.runner import ModelRunner
+    from services.worker.wire import ProtoRunner
     from tests.worker_driver import MiniScheduler
 
     prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
@@ -189,7 +190,7 @@ def reference_and_kernel_runs(model, kv_cache_dtype=None):
         if kernels:
             runner.gpu = GpuExecutor(model, runner.kv_caches, 4, max_num_tokens=64, max_num_seqs=4,
                                      graph_sizes=None)
-        sched = MiniScheduler(runner.execute, 4, 16, budget=6)
+        sched = MiniScheduler(ProtoRunner(runner).execute, 4, 16, budget=6)
         for i, p in enumerate(prompts):
             sched.add(f"r{i}", p, 5)
         outs.append(sched.run())

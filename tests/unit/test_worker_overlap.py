@@ -19,6 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from services.common import pb  # noqa: E402
 from services.worker.models import load_model  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
+from services.worker.wire import ProtoRunner  # noqa: E402
 from tests.overlap_driver import BLOCK, NEW, run, sampling_mix  # noqa: E402
 from tests.overlap_driver import prompts as _prompts  # noqa: E402
 from tests.unit.tiny_llama import VOCAB, make_tiny_llama  # noqa: E402
@@ -78,9 +79,10 @@ def test_overlap_survives_preemption(model):
 
 
 def test_rejected_plan_while_a_step_is_in_flight_leaves_the_runner_working(model):
-    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=BLOCK)
-    runner.hello(BLOCK)
-    runner.overlap = True
+    model_runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=BLOCK)
+    model_runner.hello(BLOCK)
+    model_runner.overlap = True
+    runner = ProtoRunner(model_runner)
     plan = pb.step.StepPlan(step_id=1)
     plan.new_requests.add(request_id="a", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3,
                           sampling=pb.common.SamplingParams(ignore_eos=True))
@@ -94,7 +96,7 @@ def test_rejected_plan_while_a_step_is_in_flight_leaves_the_runner_working(model
     good.cached_requests.add(request_id="a", num_computed_tokens=3, num_scheduled_tokens=1)
     res = runner.collect(runner.submit(good))
     assert not res.HasField("error") and len(res.outputs[0].token_ids) == 1
-    assert runner.requests["a"].token_ids[:4] == [5, 6, 7, tok]
+    assert model_runner.requests["a"].token_ids[:4] == [5, 6, 7, tok]
 
 
 def test_gpu_executor_path_reads_pending_ids_on_the_device(model, monkeypatch):

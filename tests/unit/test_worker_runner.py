@@ -1,5 +1,6 @@
-"""ModelRunner driven with handmade StepPlans on a tiny model: greedy output equals
-transformers' generate, bad plans give StepResult.error and the runner keeps working."""
+"""ModelRunner driven with handmade StepPlans on a tiny model (through the worker's wire edge, as
+the engine drives it): greedy output equals transformers' generate, bad plans give
+StepResult.error and the runner keeps working."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from services.common import pb
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
+from services.worker.wire import ProtoRunner
 from tests.unit.tiny_llama import VOCAB, hf_model, make_tiny_llama
 from tests.worker_driver import MiniScheduler
 
@@ -53,7 +55,7 @@ def prompts(n: int) -> list[list[int]]:
 def test_runner_greedy_matches_transformers_generate_with_chunked_prefill(tiny_dir, runner):
     ps = prompts(4)
     expected = hf_greedy(tiny_dir, ps, 12)
-    sched = MiniScheduler(runner.execute, BLOCK, NUM_BLOCKS, budget=7)  # forces prompt chunks and mixed steps
+    sched = MiniScheduler(ProtoRunner(runner).execute, BLOCK, NUM_BLOCKS, budget=7)  # forces prompt chunks and mixed steps
     for i, p in enumerate(ps):
         sched.add(f"r{i}", p, 12)
     got = sched.run()
@@ -64,7 +66,7 @@ def test_runner_greedy_matches_transformers_generate_with_chunked_prefill(tiny_d
 def test_preempted_request_resumes_with_same_output(tiny_dir, runner):
     (p,) = prompts(1)
     expected = hf_greedy(tiny_dir, [p], 10)[0]
-    sched = MiniScheduler(runner.execute, BLOCK, NUM_BLOCKS, budget=64)
+    sched = MiniScheduler(ProtoRunner(runner).execute, BLOCK, NUM_BLOCKS, budget=64)
     sched.add("x", p, 10)
     for _ in range(4):
         sched.step()
@@ -78,7 +80,7 @@ def test_seeded_sampling_is_independent_of_batch_and_logprobs_come_back(runner, 
 
     def run(extra: int) -> list[int]:
         r = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK)
-        s = MiniScheduler(r.execute, BLOCK, NUM_BLOCKS, budget=64, seed=extra)
+        s = MiniScheduler(ProtoRunner(r).execute, BLOCK, NUM_BLOCKS, budget=64, seed=extra)
         for i in range(extra):
             s.add(f"o{i}", prompts(extra)[i], 8, pb.common.SamplingParams(temperature=0.8, seed=i))
         s.add("seeded", p, 8, sp)
@@ -88,7 +90,7 @@ def test_seeded_sampling_is_independent_of_batch_and_logprobs_come_back(runner, 
     plan = pb.step.StepPlan(step_id=1)
     plan.new_requests.add(request_id="lp", token_ids=p, block_ids=list(range(8)), sampling=sp,
                           num_scheduled_tokens=len(p))
-    out = runner.execute(plan).outputs[0]
+    out = ProtoRunner(runner).execute(plan).outputs[0]
     assert len(out.logprobs) == 1 and out.logprobs[0].token_id == out.token_ids[0]
     assert len(out.logprobs[0].top) == 3 and out.logprobs[0].logprob <= 0.0
 
@@ -117,10 +119,10 @@ def test_malformed_plan_yields_error_and_runner_keeps_working(tiny_dir, runner, 
     # A healthy request in flight before the bad plan must be unaffected by it.
     (p,) = prompts(1)
     expected = hf_greedy(tiny_dir, [p], 5)[0]
-    sched = MiniScheduler(runner.execute, BLOCK, NUM_BLOCKS, budget=64)
+    sched = MiniScheduler(ProtoRunner(runner).execute, BLOCK, NUM_BLOCKS, budget=64)
     sched.add("good", p, 5)
     sched.step()
-    result = runner.execute(_plan(**bad))
+    result = ProtoRunner(runner).execute(_plan(**bad))
     assert result.HasField("error") and result.error.code == pb.common.ERROR_CODE_INVALID_ARGUMENT
     assert result.step_id == 9 and not result.outputs
     assert "a" not in runner.requests
@@ -129,18 +131,19 @@ def test_malformed_plan_yields_error_and_runner_keeps_working(tiny_dir, runner, 
 
 def test_duplicate_new_request_is_rejected(runner):
     nr = pb.step.NewRequest(request_id="d", token_ids=[5, 6], block_ids=[0], num_scheduled_tokens=2)
-    assert not runner.execute(_plan(new_requests=[nr])).HasField("error")
-    assert runner.execute(_plan(new_requests=[nr])).HasField("error")
+    execute = ProtoRunner(runner).execute
+    assert not execute(_plan(new_requests=[nr])).HasField("error")
+    assert execute(_plan(new_requests=[nr])).HasField("error")
     # ...but allowed again once the same plan lists it as finished (a resumed preemption).
-    assert not runner.execute(_plan(new_requests=[nr], finished_ids=["d"])).HasField("error")
+    assert not execute(_plan(new_requests=[nr], finished_ids=["d"])).HasField("error")
 
 
 def test_hello_reports_worker_info_and_reallocates_on_block_size_change(model):
-    r = ModelRunner(model, model_name="tiny", kv_cache_bytes=4 * model.kv_bytes_per_block(16))
+    r = ProtoRunner(ModelRunner(model, model_name="tiny", kv_cache_bytes=4 * model.kv_bytes_per_block(16)))
     info = r.hello(16)
     assert (info.num_kv_blocks, info.block_size, info.vocab_size) == (4, 16, VOCAB)
     assert list(info.eos_token_ids) == [2, 3] and info.model_name == "tiny" and info.device == "cpu"
     assert info.max_model_len == model.max_model_len
     info = r.hello(8)
     assert (info.num_kv_blocks, info.block_size) == (8, 8)
-    assert r.kv_caches[0].shape == (2, 8, 8, 2, 8)
+    assert r.runner.kv_caches[0].shape == (2, 8, 8, 2, 8)

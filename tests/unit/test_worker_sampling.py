@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from services.common import pb
-from services.worker.sampling import (SampleRow, SamplingConfig, SamplingParamsError,
-                                      sample)
+from services.worker.sampling import SampleRow, SamplingConfig, sample
+from services.worker.wire import SamplingParamsError, sampling_from_proto
 
 V = 50
 
@@ -110,12 +110,12 @@ def test_penalties_push_away_from_repeated_tokens():
 
 
 def test_sampling_params_from_proto_apply_defaults_and_reject_nonsense():
-    cfg = SamplingConfig.from_proto(pb.common.SamplingParams(), V)
+    cfg = sampling_from_proto(pb.common.SamplingParams(), V)
     assert cfg.greedy and cfg.top_p == 1.0 and cfg.repetition_penalty == 1.0 and cfg.logprobs is None
-    cfg = SamplingConfig.from_proto(pb.common.SamplingParams(logprobs=0, seed=0), V)
+    cfg = sampling_from_proto(pb.common.SamplingParams(logprobs=0, seed=0), V)
     assert cfg.logprobs == 0 and cfg.seed == 0
-    assert SamplingConfig.from_proto(pb.common.SamplingParams(logprobs=1000), V).logprobs == 20
+    assert sampling_from_proto(pb.common.SamplingParams(logprobs=1000), V).logprobs == 20
     for bad in (dict(temperature=-1.0), dict(top_p=1.5), dict(temperature=float("nan")),
                 dict(logit_bias={V + 3: 1.0})):
         with pytest.raises(SamplingParamsError):
-            SamplingConfig.from_proto(pb.common.SamplingParams(**bad), V)
+            sampling_from_proto(pb.common.SamplingParams(**bad), V)

@@ -11,6 +11,7 @@ import torch
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
 from services.worker.tp import init_tp, shard_model
+from services.worker.wire import ProtoRunner
 from tests.worker_driver import MiniScheduler
 
 PROMPTS = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30], [70, 2, 44, 12, 90, 13]]
@@ -19,7 +20,7 @@ PROMPTS = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30], [70, 2, 44, 12, 90, 13]
 def run(model) -> dict:
     runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=32, block_size=4)
     runner.hello(4)
-    sched = MiniScheduler(runner.execute, 4, 32, budget=7)  # chunked prefill + mixed steps
+    sched = MiniScheduler(ProtoRunner(runner).execute, 4, 32, budget=7)  # chunked prefill + mixed steps
     for i, p in enumerate(PROMPTS):
         sched.add(f"r{i}", p, 8)
     return sched.run()

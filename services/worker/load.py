@@ -1,0 +1,67 @@
+"""The real model behind serve(): the weights loaded into a ModelRunner on the engine thread,
+with what surrounds it there (the step profiler, the other tensor-parallel ranks)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.worker.config import WorkerConfig
+from services.worker.control import WorkerControlServicer
+from services.worker.engine import LoadFailed, RunnerSource
+from services.worker.models import load_model
+from services.worker.models.config import ModelConfigError
+from services.worker.profiling import StepProfiler
+from services.worker.runner import ModelRunner
+from services.worker.tp import shard_model
+from services.worker.tp_ranks import TpLink, start_ranks
+
+log = logging.getLogger("meshllm.worker")
+
+
+def load_model_runner(cfg: WorkerConfig, tp: TpLink | None = None) -> ModelRunner:
+    """Load this rank's model (its shard with `tp`), allocate the KV cache and capture the decode
+    graphs (ModelRunner). A model this worker cannot serve raises LoadFailed."""
+    try:
+        return _load(cfg, tp)
+    except ModelConfigError as exc:
+        raise LoadFailed(str(exc)) from None
+
+
+def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
+    torch.set_num_threads(cfg.threads)
+    t0 = time.monotonic()
+    device = torch.device(cfg.rank_device)
+    if tp is not None:
+        tp.connect(device)
+    model = load_model(cfg.model, device, cfg.torch_dtype, cfg.max_model_len or None)
+    if tp is not None:
+        model = shard_model(model, tp.rank, tp.size, tp.group)
+    runner = ModelRunner(model, model_name=cfg.served_model_name, kv_cache_bytes=cfg.kv_cache_bytes,
+                         num_kv_blocks=cfg.num_kv_blocks or None, block_size=cfg.block_size,
+                         enforce_eager=cfg.enforce_eager, kv_cache_dtype=cfg.kv_torch_dtype,
+                         seed_rng=tp.seed_rng if tp is not None else None)
+    if cfg.overlap_steps != "auto":
+        runner.overlap = cfg.overlap_steps == "on"
+    if tp is not None:
+        tp.barrier()  # ready means every rank holds its shard and KV cache
+    log.info("model %s ready in %.1fs on %s (%s, %d threads), max_model_len %d, step overlap %s",
+             cfg.served_model_name, time.monotonic() - t0, device, str(model.dtype).removeprefix("torch."),
+             torch.get_num_threads(), model.max_model_len, "on" if runner.overlap else "off")
+    return runner
+
+
+def model_source(cfg: WorkerConfig) -> RunnerSource:
+    """serve()'s source for the real model. With --tensor-parallel-size N this starts ranks
+    1..N-1 (serve calls it before any gRPC thread exists: they are forked from this process)."""
+    tp = ranks = None
+    if cfg.tensor_parallel_size > 1:
+        try:
+            cfg, ranks = start_ranks(cfg)
+        except ModelConfigError as exc:
+            raise LoadFailed(str(exc)) from None
+        tp = TpLink(cfg)
+    profiler = StepProfiler(cfg.profile_dir, cfg.rank_device)
+    return RunnerSource(load=lambda: load_model_runner(cfg, tp), control=WorkerControlServicer(profiler),
+                        profiler=profiler, tp=tp, stop_ranks=None if ranks is None else ranks.stop)

@@ -1,0 +1,175 @@
+"""Conversion between step.proto messages and the worker's value types (plan.py).
+
+This is the worker's whole protobuf edge: the engine loop decodes each WorkerRequest here and
+encodes each reply here; the runners, sampling, kernels and step tracing see only plan.py's
+dataclasses. Torch-free, so the simulated worker shares it.
+"""
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from services.common import pb
+from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, CachedRequest, Hello, NewRequest, SamplingConfig,
+                                  StepPlan, StepResult, TraceContext, WorkerInfo)
+
+# Requests asking for more top logprobs than this are clamped (the gateway enforces its own
+# limit; this only bounds the worker's work).
+MAX_TOP_LOGPROBS = 20
+
+_ERROR = {INVALID_ARGUMENT: pb.common.ERROR_CODE_INVALID_ARGUMENT, INTERNAL: pb.common.ERROR_CODE_INTERNAL}
+
+
+class WireError(ValueError):
+    """Bytes that are no WorkerRequest, or an empty one: answered with zmq_link.error_reply."""
+
+
+class SamplingParamsError(ValueError):
+    """Sampling parameters that cannot be honoured (the plan is rejected: INVALID_ARGUMENT)."""
+
+
+def sampling_from_proto(sp: pb.common.SamplingParams, vocab_size: int) -> SamplingConfig:
+    """Validate a SamplingParams; zero values mean "default" (see common.proto). The gateway has
+    validated these already; the checks stand between the worker and bad bytes on its link."""
+    def finite(name: str, v: float) -> float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise SamplingParamsError(f"{name} must be finite")
+        return float(v)
+
+    temperature = finite("temperature", sp.temperature)
+    if temperature < 0:
+        raise SamplingParamsError(f"temperature must be >= 0, got {temperature}")
+    top_p = finite("top_p", sp.top_p)
+    if not 0.0 <= top_p <= 1.0:
+        raise SamplingParamsError(f"top_p must be in [0, 1], got {top_p}")
+    min_p = finite("min_p", sp.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise SamplingParamsError(f"min_p must be in [0, 1], got {min_p}")
+    rep = finite("repetition_penalty", sp.repetition_penalty)
+    if rep < 0:
+        raise SamplingParamsError(f"repetition_penalty must be >= 0, got {rep}")
+    bias = []
+    for tid, b in sorted(sp.logit_bias.items()):
+        if not 0 <= tid < vocab_size:
+            raise SamplingParamsError(f"logit_bias token id {tid} outside the vocabulary")
+        bias.append((int(tid), finite("logit_bias", b)))
+    stops = tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size)
+    logprobs = None
+    if sp.HasField("logprobs"):
+        if sp.logprobs < 0:
+            raise SamplingParamsError(f"logprobs must be >= 0, got {sp.logprobs}")
+        logprobs = min(sp.logprobs, MAX_TOP_LOGPROBS, vocab_size)
+    return SamplingConfig(
+        temperature=temperature,
+        top_p=1.0 if top_p == 0.0 else top_p,
+        top_k=sp.top_k if sp.top_k > 0 else 0,
+        min_p=min_p,
+        presence_penalty=finite("presence_penalty", sp.presence_penalty),
+        frequency_penalty=finite("frequency_penalty", sp.frequency_penalty),
+        repetition_penalty=1.0 if rep == 0.0 else rep,
+        seed=sp.seed if sp.HasField("seed") else None,
+        logprobs=logprobs,
+        logit_bias=tuple(bias),
+        min_tokens=max(0, sp.min_tokens),
+        stop_token_ids=stops,
+        ignore_eos=sp.ignore_eos,
+    )
+
+
+def plan_from_proto(msg: pb.step.StepPlan, vocab_size: int) -> StepPlan:
+    """One pass over the plan. Bad sampling parameters give a plan marked `invalid` (no
+    requests) rather than an exception, so the runner rejects it in its place among the steps."""
+    new = []
+    for r in msg.new_requests:
+        try:
+            sampling = sampling_from_proto(r.sampling, vocab_size)
+        except SamplingParamsError as exc:
+            return StepPlan(msg.step_id, [], [], [], invalid=f"request {r.request_id}: {exc}")
+        t = r.trace
+        new.append(NewRequest(r.request_id, list(r.token_ids), list(r.block_ids), sampling, r.num_computed_tokens,
+                              r.num_scheduled_tokens, r.num_output_tokens,
+                              TraceContext(t.traceparent, t.tracestate) if t.traceparent else None))
+    # Hot path (every running request, every step): positional arguments, one comprehension.
+    cached = [CachedRequest(r.request_id, list(r.new_block_ids), r.num_computed_tokens, r.num_scheduled_tokens)
+              for r in msg.cached_requests]
+    return StepPlan(msg.step_id, new, cached, list(msg.finished_ids))
+
+
+def request_from_bytes(payload: bytes, vocab_size: int) -> Hello | StepPlan:
+    req = pb.step.WorkerRequest()
+    try:
+        req.ParseFromString(payload)
+    except DecodeError:
+        raise WireError("undecodable WorkerRequest") from None
+    kind = req.WhichOneof("kind")
+    if kind == "plan":
+        return plan_from_proto(req.plan, vocab_size)
+    if kind == "hello":
+        return Hello(req.hello.block_size)
+    raise WireError("empty WorkerRequest")
+
+
+def _fill_result(msg: pb.step.StepResult, result: StepResult) -> None:
+    msg.step_id = result.step_id
+    msg.forward_ns = result.forward_ns
+    add = msg.outputs.add
+    for o in result.outputs:
+        if not o.token_ids:  # a prompt chunk: the id alone (cheaper than passing empty fields)
+            add(request_id=o.request_id)
+            continue
+        out = add(request_id=o.request_id, token_ids=o.token_ids)
+        for lp in o.logprobs:
+            m = out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
+            for tid, val in lp.top:
+                m.top.add(token_id=tid, logprob=val)
+    if result.error is not None:
+        msg.error.code = _ERROR[result.error.code]
+        msg.error.message = result.error.message
+
+
+def result_to_proto(result: StepResult) -> pb.step.StepResult:
+    msg = pb.step.StepResult()
+    _fill_result(msg, result)
+    return msg
+
+
+def result_reply(result: StepResult) -> bytes:
+    """The serialized WorkerReply of a step (built in place: no copy of the result message)."""
+    reply = pb.step.WorkerReply()
+    reply.result.SetInParent()
+    _fill_result(reply.result, result)
+    return reply.SerializeToString()
+
+
+def info_to_proto(info: WorkerInfo) -> pb.step.WorkerInfo:
+    return pb.step.WorkerInfo(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                              max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                              eos_token_ids=info.eos_token_ids, model_name=info.model_name, device=info.device)
+
+
+def info_reply(info: WorkerInfo) -> bytes:
+    return pb.step.WorkerReply(info=info_to_proto(info)).SerializeToString()
+
+
+class ProtoRunner:
+    """A runner behind this edge in one process: step.proto plans in, step.proto results out,
+    converted exactly as the engine converts them off its socket. For tests and benchmarks that
+    build protobuf plans (by hand, or with the scheduler's wire.plan_to_proto)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    def hello(self, block_size: int) -> pb.step.WorkerInfo:
+        return info_to_proto(self.runner.hello(block_size))
+
+    def submit(self, msg: pb.step.StepPlan):
+        return self.runner.submit(plan_from_proto(msg, self.runner.vocab_size))
+
+    def collect(self, pending) -> pb.step.StepResult:
+        return result_to_proto(self.runner.collect(pending))
+
+    def execute(self, msg: pb.step.StepPlan) -> pb.step.StepResult:
+        return self.collect(self.submit(msg))
