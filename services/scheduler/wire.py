@@ -1,16 +1,9 @@
 """Conversion between protobuf messages and the scheduler core's value types."""
 from __future__ import annotations
 
-from services.common import pb
+from services.common import finish, pb
 from services.scheduler.core import Request, RequestOutput, StepPlan, StepResult
 
-_FINISH = {
-    None: pb.common.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.common.FINISH_REASON_STOP,
-    "length": pb.common.FINISH_REASON_LENGTH,
-    "abort": pb.common.FINISH_REASON_ABORT,
-    "error": pb.common.FINISH_REASON_ERROR,
-}
 _ERROR = {
     "invalid_argument": pb.common.ERROR_CODE_INVALID_ARGUMENT,
     "resource_exhausted": pb.common.ERROR_CODE_RESOURCE_EXHAUSTED,
@@ -73,7 +66,7 @@ def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.Ou
         ro = add(request_id=o.request_id, new_token_ids=o.new_token_ids, num_prompt_tokens=o.num_prompt_tokens,
                  stop_token_id=o.stop_token_id)
         if o.finish_reason is not None:
-            ro.finish_reason = _FINISH[o.finish_reason]
+            ro.finish_reason = finish.to_proto(o.finish_reason)
         if o.num_cached_tokens:
             ro.num_cached_tokens = o.num_cached_tokens
         if o.logprobs:

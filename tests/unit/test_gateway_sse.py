@@ -2,7 +2,8 @@
 import asyncio
 
 from services.common import pb
-from services.gateway.clients.engine_stream import Delta, MergedOutput
+from services.gateway.clients.output_pipeline import MergedOutput
+from services.gateway.clients.request_handle import Delta
 from services.gateway.errors import ApiError
 from services.gateway.http.sse import SSEResponse, coalesce
 

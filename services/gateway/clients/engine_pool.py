@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2 as hpb
-from grpc_health.v1 import health_pb2_grpc as hpb_grpc
 
 from services.common import pb
-from services.gateway.clients.engine_stream import EngineClient, RequestHandle
+from services.gateway.clients.engine_stream import EngineClient
+from services.gateway.clients.request_handle import RequestHandle
 from services.gateway.errors import ApiError
 from services.gateway.clients.router import ReplicaLoad, Router
 
@@ -44,7 +43,6 @@ class Replica:
         self.spec, self.client = spec, client
         self.serving = False                  # the scheduler's readiness, last poll
         self.was_routable = False
-        self._health = hpb_grpc.HealthStub(client._channel)
 
     @property
     def routable(self) -> bool:
@@ -58,12 +56,7 @@ class Replica:
         return f"{self.spec.replica_id}={why}"
 
     async def poll_health(self, timeout_s: float) -> bool:
-        try:
-            resp = await self._health.Check(hpb.HealthCheckRequest(service="scheduler"),
-                                            timeout=timeout_s)
-            self.serving = resp.status == hpb.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            self.serving = False
+        self.serving = await self.client.check_readiness(timeout_s)
         return self.serving
 
 
@@ -170,8 +163,7 @@ class EnginePool:
         if len(handle.tried) >= self.max_attempts:
             return False
         by_id, loads = self._routable_loads()
-        decision = self.router.choose(loads, handle._submit.prompt_token_ids,
-                                      exclude=handle.tried)
+        decision = self.router.choose(loads, handle.prompt_token_ids, exclude=handle.tried)
         if decision is None or not by_id[decision.replica_id].client.adopt(handle):
             log.warning("request %s: replica %s failed it before its first token and no "
                         "other replica can take it", handle.request_id, handle.tried[-1])
@@ -192,8 +184,7 @@ class EnginePool:
             if r.spec.state in ("STARTING", "RESTARTING", "DEAD"):
                 return {**out, "status": "skipped", "reason": f"{r.spec.state.lower()}: no cache to flush"}
             try:
-                reply = await pb.engine_grpc.EngineStub(r.client._channel).ResetPrefixCache(
-                    pb.engine.ResetPrefixCacheRequest(), timeout=timeout_s)
+                reply = await r.client.reset_prefix_cache(timeout_s)
             except grpc.aio.AioRpcError as err:
                 return {**out, "status": "error", "error": f"{err.code().name}: {err.details()}"}
             return {**out, "status": "ok", "num_blocks_flushed": reply.num_blocks_flushed,

@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from services.common import pb, telemetry
+from services.common import finish, pb, telemetry
 from services.gateway.clients.engine_pool import reset_prefix_caches
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
@@ -20,7 +20,6 @@ from services.gateway.tracing import end_grpc_request_span, start_grpc_request_s
 
 log = logging.getLogger("meshllm.gateway.grpc")
 
-_FINISH = {"stop": pb.common.FINISH_REASON_STOP, "length": pb.common.FINISH_REASON_LENGTH}
 SERVICE_NAME = "meshllm.v1.Generation"
 
 
@@ -94,7 +93,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                     logprobs=delta.logprobs, index=index)
                 if delta.last:
                     one = handle.handles[index]
-                    resp.finish_reason = _FINISH[delta.finish_reason]
+                    resp.finish_reason = finish.to_proto(delta.finish_reason)
                     resp.stop_reason = "" if delta.stop_reason is None else str(delta.stop_reason)
                     resp.usage.CopyFrom(pb.common.Usage(
                         prompt_tokens=one.num_prompt_tokens,

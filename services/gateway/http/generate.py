@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.common import pb
 from services.gateway.openai.choices import ChoiceBuilder, ChoiceGroup, ChoiceSpec
-from services.gateway.clients.engine_stream import Delta
+from services.gateway.clients.request_handle import Delta
 from services.gateway.http.body import ClientGone, watch
 from services.gateway.openai.format import sse, usage
 from services.gateway.service import Gateway

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.clients.engine_stream import Delta
+from services.gateway.clients.request_handle import Delta
 
 
 def coalesce(pairs: list[tuple[int, Delta]]) -> list[tuple[int, Delta]]:

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.gateway.clients.engine_stream import Delta, RequestHandle
+from services.gateway.clients.request_handle import Delta, RequestHandle
 from services.gateway.openai.logprobs import CompletionLogprobs, chat_content, merge_completion
 from services.gateway.parsers import OutputParser, ToolCallDelta
 
