@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent H200 (the `run` device tool) from the repo root; results go to $OUT.
 #   bash tests/gpu/device_run.sh STAGE...   (stages run in the order given)
-#   tests  : the GPU tests (kernels at full shapes, sampling, step overlap)
+#   tests  : the GPU tests (kernels at full shapes, sampling, step overlap, start-up graph capture)
 #   gemv   : bench/gpu_gemv_sweep.py (Triton GEMV vs cuBLAS at M = 1)
 #   bench  : bench/gpu_decode.py $BENCH_ARGS
 #   parity : SmolLM2 bf16 GPU vs fp32 CPU reference (GGUF carried in two parts: .gpuc/part1 on
@@ -21,7 +21,7 @@ for stage in "$@"; do
   case $stage in
     tests)
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_full_shapes.py \
-        tests/gpu/test_sampling_gpu.py tests/gpu/test_overlap_gpu.py 2>&1 | tee $OUT/gpu_tests.log ;;
+        tests/gpu/test_sampling_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_graph_capture_startup.py 2>&1 | tee $OUT/gpu_tests.log ;;
     gemv)
       timeout ${GEMV_TIMEOUT:-150} python3 bench/gpu_gemv_sweep.py --out $OUT/gpu_gemv_sweep.json 2>&1 | tee $OUT/gemv.log ;;
     bench)
