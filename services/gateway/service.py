@@ -1,5 +1,6 @@
-"""The request lifecycle shared by the HTTP and gRPC APIs: model check, tokenization,
-validation against the engine's limits, submission."""
+"""The request lifecycle shared by the HTTP and gRPC APIs: model check, the sampling rules
+that need no prompt (check_sampling), tokenization, the rules that need it and max_tokens
+resolved (start_n, once per request), admission, submission."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,8 +12,8 @@ from services.gateway.embeddings import Embeddings
 from services.gateway.clients.engine_stream import RequestHandle
 from services.gateway.clients.engine_pool import EnginePool
 from services.gateway.errors import ApiError
-from services.gateway.guard.sampling import (Limits, resolve_max_tokens, validate_cache_salt,
-                                       validate_priority, validate_prompt, validate_sampling)
+from services.common.sampling_rules import Limits, RequestOptions
+from services.gateway.guard.sampling import check_request, engine_limits, fit_to_prompt
 from services.gateway.clients.tokenizer_pool import TokenizerPool
 
 class Gateway:
@@ -37,12 +38,12 @@ class Gateway:
         return self.engine.info.max_model_len if self.engine.info is not None else 0
 
     def limits(self) -> Limits:
-        info = self.engine.info
-        if info is None:
-            raise ApiError("unavailable", "the engine is not reachable yet; try again shortly")
-        return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                      max_stop_strings=self.config.max_stop_strings,
-                      max_stop_string_chars=self.config.max_stop_string_chars)
+        return engine_limits(self.engine.info, self.config)
+
+    def check_sampling(self, sampling: "pb.common.SamplingParams", options: RequestOptions) -> None:
+        """The sampling rules that need no prompt, once per request and before it is
+        tokenized (no tokenizer work for a request that will be refused)."""
+        check_request(sampling, options, self.limits())
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.config.served_model_name:
@@ -65,35 +66,35 @@ class Gateway:
             chat_template_kwargs_json=chat_template_kwargs_json)
 
     def start_n(self, request_id: str, prompt_ids: Sequence[int],
-                sampling: "pb.common.SamplingParams", n: int, **kwargs) -> list[RequestHandle]:
-        """n independent engine requests `<id>-<i>` (just `<id>` when n == 1). A seeded
-        request gives choice i the seed seed+i: distinct choices, reproducible as a set."""
+                sampling: "pb.common.SamplingParams", n: int, *, prompt_param: str = "prompt",
+                cache_salt: str = "", priority: int = 0) -> list[RequestHandle]:
+        """n independent engine requests `<id>-<i>` (just `<id>` when n == 1). `sampling`, `n`,
+        `cache_salt` and `priority` have passed check_sampling; the rules that need the prompt
+        run here, once for all n choices, and resolve max_tokens. A seeded request gives
+        choice i the seed seed+i: distinct choices, reproducible as a set."""
+        fitted = fit_to_prompt(sampling, prompt_ids, self.limits(), prompt_param)
         if n == 1:
-            return [self.start(request_id, prompt_ids, sampling, **kwargs)]
+            return [self._submit(request_id, prompt_ids, fitted, cache_salt, priority)]
         handles: list[RequestHandle] = []
         try:
             for i in range(n):
                 sp = pb.common.SamplingParams()
-                sp.CopyFrom(sampling)
-                if sampling.HasField("seed"):
-                    sp.seed = (sampling.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63
-                handles.append(self.start(f"{request_id}-{i}", prompt_ids, sp, **kwargs))
+                sp.CopyFrom(fitted)
+                if fitted.HasField("seed"):
+                    sp.seed = (fitted.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63
+                handles.append(self._submit(f"{request_id}-{i}", prompt_ids, sp, cache_salt,
+                                            priority))
         except BaseException:
             for handle in handles:
                 handle.abort()
             raise
         return handles
 
-    def start(self, request_id: str, prompt_ids: Sequence[int],
-              sampling: "pb.common.SamplingParams", *, prompt_param: str = "prompt",
-              cache_salt: str = "", priority: int = 0) -> RequestHandle:
-        """Validate against the engine's limits (filling in max_tokens) and submit."""
-        limits = self.limits()
-        validate_prompt(prompt_ids, limits, prompt_param)
-        validate_sampling(sampling, limits)
-        validate_cache_salt(cache_salt)
-        validate_priority(priority)
-        resolve_max_tokens(sampling, len(prompt_ids), limits)
+    def _submit(self, request_id: str, prompt_ids: Sequence[int],
+                sampling: "pb.common.SamplingParams", cache_salt: str,
+                priority: int) -> RequestHandle:
+        """Admit one choice (its prompt + max_tokens against the in-flight budget) and send
+        it; `sampling` is the rulebook's result and is not checked again."""
         tokens = len(prompt_ids) + sampling.max_tokens
         self.admission.check(1, tokens)
         handle = self.engine.submit(request_id, list(prompt_ids), sampling,

@@ -1,12 +1,13 @@
-"""OpenAI request validation and conversion to the engine's SamplingParams."""
+"""OpenAI request validation and conversion to the engine's SamplingParams; the ranges are the
+rulebook's (tests/unit/test_sampling_rules.py), reached here as the HTTP API reaches them."""
 import json
 
 import pytest
 
-from services.common import pb
 from services.gateway.errors import ApiError
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from services.gateway.guard.sampling import Limits, resolve_max_tokens, validate_prompt, validate_sampling
+from services.common.sampling_rules import Limits
+from services.gateway.guard.sampling import check_request
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000)
 
@@ -20,6 +21,11 @@ def error_of(fn, *args) -> dict:
         fn(*args)
     assert exc.value.http_status == 400
     return exc.value.to_openai()["error"]
+
+
+def http_checked(req) -> None:
+    """What the HTTP routes do before tokenizing: convert, then the rules that need no prompt."""
+    check_request(req.to_sampling(), req.rule_options(), LIMITS)
 
 
 def test_completion_request_converts_to_sampling_params():
@@ -81,7 +87,7 @@ def test_malformed_bodies_give_readable_400s(raw, needle, param):
 ])
 def test_unsupported_or_out_of_range_parameters_are_rejected(fields, param):
     req = parse_body(CompletionRequest, body(prompt="x", **fields))
-    assert error_of(req.to_sampling)["param"] == param
+    assert error_of(http_checked, req)["param"] == param
 
 
 def test_n_and_logprobs_reach_the_engine_params():
@@ -124,37 +130,29 @@ def test_chat_rejects_image_parts_and_unknown_roles():
     assert err["param"] == "messages"
 
 
-def test_prompt_plus_max_tokens_beyond_context_is_rejected():
-    sp = pb.common.SamplingParams(max_tokens=30)
-    err = error_of(resolve_max_tokens, sp, 80, LIMITS)
-    assert "maximum context length is 100" in err["message"] and err["param"] == "max_tokens"
-
-
-def test_missing_max_tokens_fills_the_rest_of_the_context():
-    sp = pb.common.SamplingParams()
-    resolve_max_tokens(sp, 80, LIMITS)
-    assert sp.max_tokens == 20
-
-
-@pytest.mark.parametrize("prompt, needle", [
-    ([], "empty"), ([1] * 100, "maximum context length"), ([1, 1000], "outside the vocabulary")])
-def test_bad_prompts_are_rejected(prompt, needle):
-    assert needle in error_of(validate_prompt, prompt, LIMITS)["message"]
-
-
 @pytest.mark.parametrize("fields, param", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
-    ({"stop_token_ids": [5000]}, "stop_token_ids"), ({"stop": [""]}, "stop"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 99}, "logprobs"),
-    ({"temperature": float("nan")}, "temperature")])
-def test_sampling_ranges_are_checked(fields, param):
-    sp = pb.common.SamplingParams(**fields)
-    assert error_of(validate_sampling, sp, LIMITS)["param"] == param
+    ({"max_tokens": 10 ** 12}, "max_tokens"), ({"top_k": 2 ** 40}, "top_k"),
+    ({"stop_token_ids": [2 ** 31]}, "stop_token_ids"), ({"logit_bias": {str(2 ** 32): 1}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"), ({"priority": 2 ** 40}, "priority")])
+def test_values_the_int32_wire_cannot_carry_are_a_400_naming_the_field(fields, param):
+    req = parse_body(CompletionRequest, body(prompt="x", **fields))
+    assert error_of(http_checked, req)["param"] == param
 
 
-def test_too_many_stop_strings_are_rejected():
-    sp = pb.common.SamplingParams(stop=[f"s{i}" for i in range(33)])
-    assert "at most 32" in error_of(validate_sampling, sp, LIMITS)["message"]
+def test_explicit_zeros_are_out_of_range_but_absent_fields_take_the_default():
+    for fields, param in (({"top_p": 0}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                          ({"max_completion_tokens": 0, "max_tokens": 5}, "max_tokens")):
+        req = parse_body(ChatCompletionRequest, body(messages=[{"role": "user", "content": "x"}],
+                                                     **fields))
+        assert error_of(http_checked, req)["param"] == param
+    http_checked(parse_body(CompletionRequest, body(prompt="x")))
+
+
+def test_chat_top_logprobs_out_of_range_names_top_logprobs():
+    req = parse_body(ChatCompletionRequest, body(messages=[{"role": "user", "content": "x"}],
+                                                 logprobs=True, top_logprobs=21))
+    err = error_of(http_checked, req)
+    assert err["param"] == "top_logprobs" and err["message"] == "top_logprobs must be in [0, 20], got 21"
 
 
 def test_integer_values_are_accepted_for_float_parameters():

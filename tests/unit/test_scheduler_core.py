@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.common import pb
+from services.common.sampling_rules import Limits, fit_to_prompt
 from services.scheduler.core import FinishReason, Request, Scheduler, SchedulerConfig, StepResult
 
 from tests.unit.scheduler_sim import EOS, VOCAB, FakeWorker, drive
@@ -156,11 +158,26 @@ def test_out_of_vocab_token_is_rejected():
     assert err is not None and "out of range" in err
 
 
-def test_max_tokens_zero_means_up_to_the_context_length():
+def test_max_tokens_resolved_up_to_the_context_length_runs_to_it():
+    # The gateway resolves max_tokens 0 ("up to the context") before submitting; the core
+    # runs what it is given.
     s, w = make(max_model_len=20), FakeWorker()
-    s.add_request(req("a", 5, 0, ignore_eos=True))
+    a = req("a", 5, 0, ignore_eos=True)
+    a.max_tokens = fit_to_prompt(pb.common.SamplingParams(), a.prompt_token_ids,
+                                 Limits(max_model_len=20, vocab_size=VOCAB)).max_tokens
+    s.add_request(a)
     outputs, reasons, _ = run_to_completion(s, w)
     assert len(outputs["a"]) == 15 and reasons["a"] == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_a_submit_without_a_resolved_max_tokens_is_malformed(max_tokens):
+    s = make()
+    err = s.add_request(req("x", 4, max_tokens))
+    assert err is not None and "max_tokens" in err
+    [out] = s.take_pending_outputs()
+    assert out.finish_reason == FinishReason.ERROR and out.error_code == "invalid_argument"
+    assert not s.requests
 
 
 def test_worker_error_fails_the_step_requests_not_the_engine():

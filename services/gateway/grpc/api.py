@@ -7,11 +7,11 @@ import time
 import grpc
 
 from services.common import finish, pb, telemetry
+from services.common.sampling_rules import RequestOptions
 from services.gateway.clients.engine_pool import reset_prefix_caches
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
-from services.gateway.guard.sampling import MAX_N
 from services.gateway.ids import new_request_id, sane_client_id
 from services.gateway.service import Gateway
 from services.gateway.timing import RequestTimer
@@ -68,12 +68,11 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                 raise ApiError("invalid_argument", "request_id must be 1-128 characters of "
                                "[A-Za-z0-9._:@/+=-]")
             self.gw.check_model(request.model)
-            sampling = pb.common.SamplingParams()
-            sampling.CopyFrom(request.sampling)
-            n = request.n or 1
-            if not 1 <= n <= MAX_N:
-                raise ApiError("invalid_argument", f"n must be in [1, {MAX_N}], got {n}",
-                               param="n")
+            sampling = request.sampling  # read only: start_n sends the rulebook's copy
+            n = request.n or 1  # proto3: 0 = unset = one choice
+            # The HTTP API's rules, before any tokenizer work (start_n trusts they passed).
+            self.gw.check_sampling(sampling, RequestOptions(n=n, cache_salt=request.cache_salt,
+                                                            priority=request.priority))
             t0 = timer.tokenize_started() if timer is not None else 0
             prompt_ids = await self._prompt_ids(request)
             if timer is not None and request.WhichOneof("input") != "token_ids":

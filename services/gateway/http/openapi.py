@@ -11,11 +11,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from services.common.sampling_rules import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
 from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.guard.sampling import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
@@ -48,7 +48,7 @@ _SHAPES: dict[tuple[str, str], dict] = {
         {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}]},
 }
 
-# Ranges the gateway enforces (sampling.py, protocol.py), added to the non-null alternative.
+# Ranges the gateway enforces (services/common/sampling_rules.py), added to the non-null alternative.
 _BOUNDS: dict[str, dict] = {
     "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
     "min_tokens": {"minimum": 0}, "messages": {"minItems": 1},

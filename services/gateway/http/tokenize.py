@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
 from services.gateway.errors import invalid
+from services.gateway.guard.sampling import check_token_ids
 from services.gateway.http.body import read_body
 from services.gateway.openai.protocol import ChatCompletionRequest, ChatMessageIn, parse_body
 from services.gateway.service import Gateway
@@ -64,10 +65,6 @@ def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
     async def detokenize(request: Request) -> JSONResponse:
         req = parse_body(DetokenizeRequest, await read_body(request, gw.config.max_body_bytes))
         gw.check_model(req.model)
-        limits = gw.limits()
-        for tid in req.tokens:
-            if not 0 <= tid < limits.vocab_size:
-                raise invalid(f"token id {tid} is outside the vocabulary [0, {limits.vocab_size})",
-                              "tokens")
+        check_token_ids(req.tokens, gw.limits().vocab_size, "tokens")
         text = (await gw.tokenizer.decode([req.tokens], True))[0] if req.tokens else ""
         return JSONResponse({"prompt": text})

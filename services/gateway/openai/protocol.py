@@ -2,20 +2,23 @@
 
 Type errors become a readable 400 (never FastAPI's 422). Unknown top-level fields are a 400
 naming the field: a request can select no server internal (a template, a parser, a
-backend). OpenAI fields we accept and ignore are listed in `_IgnoredOpenAIFields`. Range
-checks live in sampling.py so the gRPC API shares them; body-level limits (JSON depth,
-UTF-8) are in `parse_body`."""
+backend). OpenAI fields we accept and ignore are listed in `_IgnoredOpenAIFields`. Only
+OpenAI's shapes are handled here (types, defaults, `stop` as str or list, logprobs /
+top_logprobs, refusals of what we do not support, values the int32 wire cannot carry); the
+ranges are the sampling rulebook's (services/common/sampling_rules.py), which the gRPC API
+shares, fed by `rule_options()`. Body-level limits (JSON depth, UTF-8) are in `parse_body`."""
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from services.common import pb
+from services.common.sampling_rules import RequestOptions
 from services.gateway.errors import ApiError, invalid
-from services.gateway.guard.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+from services.gateway.guard.sampling import check_int32
 
 MAX_JSON_DEPTH = 64             # nesting of the whole request body
 MAX_TOOLS_JSON_BYTES = 256 * 1024
@@ -68,6 +71,7 @@ class _SamplingFields(_IgnoredOpenAIFields):
     priority: int = 0                 # extra body (vLLM): lower runs first under --scheduling-policy priority
     cache_salt: str | None = None     # extra body (vLLM): prefix-cache isolation between tenants
     return_timing: bool = False       # extra body: a `timing` breakdown in the response (timing.py)
+    LOGPROBS_PARAM: ClassVar[str] = "logprobs"  # the field that carries the top-logprobs count
 
     @field_validator("stop")
     @classmethod
@@ -99,35 +103,20 @@ class _SamplingFields(_IgnoredOpenAIFields):
         return 1 if self.n is None else self.n
 
     def check_unsupported(self) -> None:
-        if not 1 <= self.num_choices <= MAX_N:
-            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        """Refuse what OpenAI has and we do not do (the rulebook has the ranges)."""
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of={self.best_of} is not supported yet: only 1 is", "best_of")
-        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise invalid(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got "
-                          f"{len(self.logit_bias)}", "logit_bias")
-        if self.stop_token_ids and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
-                          f"{len(self.stop_token_ids)}", "stop_token_ids")
 
     def to_sampling(self) -> "pb.common.SamplingParams":
-        """The engine's SamplingParams; max_tokens 0 = not given (filled in later)."""
+        """The engine's SamplingParams, not yet range-checked (gw.check_sampling with
+        `rule_options()` does that); max_tokens 0 = not given (fit_to_prompt resolves it)."""
         self.check_unsupported()
         max_tokens = self._effective_max_tokens()
-        if max_tokens is not None and max_tokens <= 0:
-            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        if max_tokens is not None and max_tokens >= 2 ** 31:
-            raise invalid(f"max_tokens is too large: {max_tokens}", "max_tokens")
-        if self.top_p is not None and self.top_p <= 0:
-            raise invalid(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise invalid(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                          "repetition_penalty")
         top_k = self.top_k if self.top_k is not None else 0
-        if top_k < -1 or top_k >= 2 ** 31:
-            raise invalid(f"top_k must be -1 (disabled) or at least 1, got {top_k}", "top_k")
-        if not 0 <= self.min_tokens < 2 ** 31:
-            raise invalid(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        for name, value in (("max_tokens", max_tokens), ("top_k", top_k),
+                            ("min_tokens", self.min_tokens), (self.LOGPROBS_PARAM, self._logprobs())):
+            if value is not None:
+                check_int32(name, value)
         sp = pb.common.SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -148,18 +137,26 @@ class _SamplingFields(_IgnoredOpenAIFields):
         if self._logprobs() is not None:
             sp.logprobs = self._logprobs()
         for tid in self.stop_token_ids or []:
-            if not 0 <= tid < 2 ** 31:
-                raise invalid(f"stop_token_ids contains an invalid id {tid}", "stop_token_ids")
+            check_int32("stop_token_ids", tid)
             sp.stop_token_ids.append(tid)
         for key, bias in (self.logit_bias or {}).items():
             try:
                 tid = int(key)
             except ValueError:
                 raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-            if not 0 <= tid < 2 ** 31:
-                raise invalid(f"logit_bias has an invalid token id {tid}", "logit_bias")
+            check_int32("logit_bias", tid)
             sp.logit_bias[tid] = bias
         return sp
+
+    def rule_options(self) -> RequestOptions:
+        """The rest of what the rulebook checks: n, cache_salt, priority, and the fields
+        given as an explicit 0 (OpenAI's 0 is out of range where the wire's 0 is "default")."""
+        zeros = frozenset(name for name, value in (
+            ("max_tokens", self._effective_max_tokens()), ("top_p", self.top_p),
+            ("repetition_penalty", self.repetition_penalty)) if value == 0)
+        return RequestOptions(n=self.num_choices, cache_salt=self.cache_salt or "",
+                              priority=self.priority, explicit_zeros=zeros,
+                              logprobs_param=self.LOGPROBS_PARAM)
 
     @property
     def include_usage(self) -> bool:
@@ -191,9 +188,6 @@ class CompletionRequest(_SamplingFields):
         super().check_unsupported()
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-                          "logprobs")
         if self.echo and self.logprobs is not None:
             raise invalid("echo together with logprobs (prompt logprobs) is not supported yet; "
                           "use one or the other", "echo")
@@ -243,6 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None   # OpenAI; accepted, not used by our templates
+    LOGPROBS_PARAM: ClassVar[str] = "top_logprobs"
 
     def _effective_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -251,12 +246,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                              f"{self.top_logprobs}", "top_logprobs")
-            if self.top_logprobs and not self.logprobs:
-                raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise invalid(f"response_format {self.response_format.get('type')!r}: structured "
                           "output is not supported yet", "response_format")

@@ -23,7 +23,7 @@ class FinishReason:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int
+    max_tokens: int                           # >= 1, resolved by the gateway (EngineSubmit)
     sampling: Any = None                      # opaque SamplingParams, forwarded to the worker
     min_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()

@@ -8,7 +8,13 @@ When blocks run out, the latest (FCFS) or lowest-priority request is preempted b
 Async scheduling: `num_computed_tokens` advances when a step is planned, and a planned step
 that reaches the end of a request's known tokens counts one in-flight token. The next step can
 therefore be planned before the previous result arrives: the worker feeds the token it sampled
-itself. A token sampled after a request stopped is dropped in `update`."""
+itself. A token sampled after a request stopped is dropped in `update`.
+
+Submits arrive validated (EngineSubmit's contract, engine.proto): the gateway's sampling
+rulebook (services/common/sampling_rules.py) resolved max_tokens (>= 1) and checked
+min_tokens <= max_tokens, so the core neither fills in nor re-checks them; a max_tokens < 1 is
+a malformed submit and refused. It checks only what the engine alone can vouch for: the prompt
+against its own context and vocabulary, and whether the request fits its KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,10 +96,8 @@ class Scheduler:
             bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 return f"token id {bad} is out of range [0, {self.vocab_size})"
-        if req.max_tokens <= 0:
-            req.max_tokens = cfg.max_model_len - n
-        if req.min_tokens < 0 or req.min_tokens > req.max_tokens:
-            return f"min_tokens ({req.min_tokens}) must be between 0 and max_tokens ({req.max_tokens})"
+        if req.max_tokens < 1:
+            return f"malformed submit: max_tokens must be resolved to at least 1, got {req.max_tokens}"
         # +1: with async scheduling a request may hold a slot for one token past its stop.
         if self.kv.blocks_for(min(n + req.max_tokens + 1, cfg.max_model_len)) > self.pool.num_blocks:
             # It could never run to completion even alone: better to say so now.
