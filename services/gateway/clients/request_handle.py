@@ -170,10 +170,9 @@ class RequestHandle:
             return
         if end.flush_held_text:
             text += matcher.flush()
-        self._push(Delta(text=text, token_ids=list(out.new_token_ids), finish_reason=end.reason,
-                         stop_reason=end.stop_reason, error=end.error,
-                         logprobs=list(out.logprobs), num_cached_tokens=self.num_cached_tokens,
-                         token_strings=token_strings or {}))
+        # Positional, in Delta's field order: this runs for every output of every request.
+        self._push(Delta(text, list(out.new_token_ids), end.reason, end.stop_reason, end.error,
+                         list(out.logprobs), self.num_cached_tokens, token_strings or {}))
 
     def fail(self, error: ApiError) -> None:
         """End the reader's stream with `error` (nothing, if it has ended already)."""
