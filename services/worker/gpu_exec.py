@@ -22,6 +22,7 @@ refilled only after the event recorded behind its last copy.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -174,17 +175,29 @@ class GpuExecutor:
 
     def capture_all(self, sizes: Sequence[int] | None = None) -> None:
         """Capture every bucket up front (largest first, so smaller ones reuse its pool). The
-        runner calls this right after allocating the KV cache the graphs point into."""
+        runner calls it through capture_at_startup, right after allocating the cache they point into."""
         for b in sorted(sizes or self.graph_sizes, reverse=True):
             if b not in self.graphs:
                 self._stage([], [], [], pad_to=b)   # padding rows only: nothing touches the cache
                 self._capture(b)
 
-    def drop_graphs(self) -> None:
-        """Run every step eagerly from now on (after a failed capture): no graphs, no buckets."""
-        self.graphs.clear()
-        self.graph_sizes = []
-        self.pool = None
+    def capture_at_startup(self) -> float:
+        """capture_all, timed and logged in one line -> seconds taken. A failed capture (e.g. out
+        of memory) leaves the executor running every step eagerly: the worker serves, slower."""
+        t0 = time.perf_counter()
+        try:
+            self.capture_all()
+            torch.cuda.synchronize(self.model.device)
+        except Exception as exc:  # noqa: BLE001 - the eager path needs none of it
+            log.warning("CUDA graph capture failed (%s: %s): decode steps run eagerly", type(exc).__name__, exc)
+            self.graphs.clear()
+            self.graph_sizes = []
+            self.pool = None
+            return 0.0
+        took = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs in %.1f s (batch sizes %d..%d)", len(self.graphs), took,
+                 self.graph_sizes[0], self.graph_sizes[-1])
+        return took
 
 
 class _Staging:

@@ -146,23 +146,9 @@ class ModelRunner:
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
                  num_blocks * self.model.kv_bytes_per_block(block_size, self.kv_dtype) / 2**30)
         if self.gpu is not None and self.gpu.graph_sizes:
-            self._capture_graphs()
-
-    def _capture_graphs(self) -> None:
-        """Every decode bucket's CUDA graph now, against this cache: a capture in the middle of
-        serving would stall the step that first needs it (seconds for a large model). A failed
-        capture (e.g. out of memory) leaves the worker serving eagerly, never down."""
-        t0 = time.perf_counter()
-        try:
-            self.gpu.capture_all()
-            torch.cuda.synchronize(self.model.device)
-        except Exception as exc:  # noqa: BLE001 - the eager path needs none of it
-            log.warning("CUDA graph capture failed (%s: %s): decode steps run eagerly", type(exc).__name__, exc)
-            self.gpu.drop_graphs()
-            return
-        self.graph_capture_s = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs in %.1f s (batch sizes %d..%d)", len(self.gpu.graphs),
-                 self.graph_capture_s, self.gpu.graph_sizes[0], self.gpu.graph_sizes[-1])
+            # Every decode graph now, against this cache, not in the middle of serving (where the
+            # first step of each batch size would stall for its capture).
+            self.graph_capture_s = self.gpu.capture_at_startup()
 
     @property
     def max_requests(self) -> int:
