@@ -9,12 +9,9 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from services.common import pb
+from services.common.sampling_rules import MAX_LOGPROBS, SamplingRuleError, check_engine_sampling
 from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, CachedRequest, Hello, NewRequest, SamplingConfig,
                                   StepPlan, StepResult, TraceContext, WorkerInfo)
-
-# Requests asking for more top logprobs than this are clamped (the gateway enforces its own
-# limit; this only bounds the worker's work).
-MAX_TOP_LOGPROBS = 20
 
 _ERROR = {INVALID_ARGUMENT: pb.common.ERROR_CODE_INVALID_ARGUMENT, INTERNAL: pb.common.ERROR_CODE_INTERNAL}
 
@@ -23,54 +20,25 @@ class WireError(ValueError):
     """Bytes that are no WorkerRequest, or an empty one: answered with zmq_link.error_reply."""
 
 
-class SamplingParamsError(ValueError):
-    """Sampling parameters that cannot be honoured (the plan is rejected: INVALID_ARGUMENT)."""
-
-
 def sampling_from_proto(sp: pb.common.SamplingParams, vocab_size: int) -> SamplingConfig:
-    """Validate a SamplingParams; zero values mean "default" (see common.proto). The gateway has
-    validated these already; the checks stand between the worker and bad bytes on its link."""
-    def finite(name: str, v: float) -> float:
-        if v != v or v in (float("inf"), float("-inf")):
-            raise SamplingParamsError(f"{name} must be finite")
-        return float(v)
-
-    temperature = finite("temperature", sp.temperature)
-    if temperature < 0:
-        raise SamplingParamsError(f"temperature must be >= 0, got {temperature}")
-    top_p = finite("top_p", sp.top_p)
-    if not 0.0 <= top_p <= 1.0:
-        raise SamplingParamsError(f"top_p must be in [0, 1], got {top_p}")
-    min_p = finite("min_p", sp.min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise SamplingParamsError(f"min_p must be in [0, 1], got {min_p}")
-    rep = finite("repetition_penalty", sp.repetition_penalty)
-    if rep < 0:
-        raise SamplingParamsError(f"repetition_penalty must be >= 0, got {rep}")
-    bias = []
-    for tid, b in sorted(sp.logit_bias.items()):
-        if not 0 <= tid < vocab_size:
-            raise SamplingParamsError(f"logit_bias token id {tid} outside the vocabulary")
-        bias.append((int(tid), finite("logit_bias", b)))
-    stops = tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size)
-    logprobs = None
-    if sp.HasField("logprobs"):
-        if sp.logprobs < 0:
-            raise SamplingParamsError(f"logprobs must be >= 0, got {sp.logprobs}")
-        logprobs = min(sp.logprobs, MAX_TOP_LOGPROBS, vocab_size)
+    """A SamplingParams as the sampler's config; zero values mean "default" (see common.proto).
+    The gateway has validated it already; check_engine_sampling (the one rulebook) stands between
+    the worker and bad bytes on its link: SamplingRuleError, and the plan is refused."""
+    check_engine_sampling(sp, vocab_size)
     return SamplingConfig(
-        temperature=temperature,
-        top_p=1.0 if top_p == 0.0 else top_p,
+        temperature=float(sp.temperature),
+        top_p=1.0 if sp.top_p == 0.0 else float(sp.top_p),
         top_k=sp.top_k if sp.top_k > 0 else 0,
-        min_p=min_p,
-        presence_penalty=finite("presence_penalty", sp.presence_penalty),
-        frequency_penalty=finite("frequency_penalty", sp.frequency_penalty),
-        repetition_penalty=1.0 if rep == 0.0 else rep,
+        min_p=float(sp.min_p),
+        presence_penalty=float(sp.presence_penalty),
+        frequency_penalty=float(sp.frequency_penalty),
+        repetition_penalty=1.0 if sp.repetition_penalty == 0.0 else float(sp.repetition_penalty),
         seed=sp.seed if sp.HasField("seed") else None,
-        logprobs=logprobs,
-        logit_bias=tuple(bias),
+        # More top logprobs than the public limit are clamped: only the worker's work is bounded here.
+        logprobs=min(sp.logprobs, MAX_LOGPROBS, vocab_size) if sp.HasField("logprobs") else None,
+        logit_bias=tuple((int(t), float(b)) for t, b in sorted(sp.logit_bias.items())),
         min_tokens=max(0, sp.min_tokens),
-        stop_token_ids=stops,
+        stop_token_ids=tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size),
         ignore_eos=sp.ignore_eos,
     )
 
@@ -82,7 +50,7 @@ def plan_from_proto(msg: pb.step.StepPlan, vocab_size: int) -> StepPlan:
     for r in msg.new_requests:
         try:
             sampling = sampling_from_proto(r.sampling, vocab_size)
-        except SamplingParamsError as exc:
+        except SamplingRuleError as exc:
             return StepPlan(msg.step_id, [], [], [], invalid=f"request {r.request_id}: {exc}")
         t = r.trace
         new.append(NewRequest(r.request_id, list(r.token_ids), list(r.block_ids), sampling, r.num_computed_tokens,

@@ -8,7 +8,8 @@ import torch
 
 from services.common import pb
 from services.worker.sampling import SampleRow, SamplingConfig, sample
-from services.worker.wire import SamplingParamsError, sampling_from_proto
+from services.common.sampling_rules import SamplingRuleError
+from services.worker.wire import sampling_from_proto
 
 V = 50
 
@@ -117,5 +118,5 @@ def test_sampling_params_from_proto_apply_defaults_and_reject_nonsense():
     assert sampling_from_proto(pb.common.SamplingParams(logprobs=1000), V).logprobs == 20
     for bad in (dict(temperature=-1.0), dict(top_p=1.5), dict(temperature=float("nan")),
                 dict(logit_bias={V + 3: 1.0})):
-        with pytest.raises(SamplingParamsError):
+        with pytest.raises(SamplingRuleError):
             sampling_from_proto(pb.common.SamplingParams(**bad), V)
