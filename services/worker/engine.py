@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import zmq
 
@@ -37,10 +37,6 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.plan import INTERNAL, Hello, PlanError, StepPlan, StepResult, WorkerInfo
 from services.worker.step_tracing import StepTracer
 from services.worker.zmq_link import error_reply, open_endpoints
-
-if TYPE_CHECKING:
-    from services.worker.profiling import StepProfiler
-    from services.worker.tp_ranks import TpLink
 
 log = logging.getLogger("meshllm.worker")
 
@@ -64,6 +60,28 @@ class Runner(Protocol):
     def ready(self, pending: Any) -> bool: ...           # would collect return without waiting?
 
 
+class TpFanout(Protocol):
+    """Rank 0's link to the other tensor-parallel ranks, as the engine uses it (tp_ranks.TpLink:
+    the engine defines what it needs, so it never imports tp_ranks, which imports the engine)."""
+
+    rank: int
+
+    def send(self, payload: bytes) -> None: ...   # every rank runs every request
+    def heartbeat(self) -> None: ...              # keep idle ranks inside the collectives' timeout
+    def send_stop(self) -> None: ...
+    def close(self) -> bool: ...                  # True: the group was torn down cleanly
+
+
+class StepCapture(Protocol):
+    """The profiler as the engine uses it (profiling.StepProfiler; imports torch, so typed here)."""
+
+    active: bool
+
+    def run_step(self, step: Callable[[], StepResult]) -> StepResult: ...
+    def tick(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
 class LoadFailed(Exception):
     """The runner cannot be built for this model directory: one clear line, no traceback."""
 
@@ -78,8 +96,8 @@ class RunnerSource:
 
     load: Callable[[], Runner]                 # on the engine thread, before readiness; LoadFailed
     control: WorkerControlServicer             # WorkerControl on the health port
-    profiler: StepProfiler | None = None       # steps run under its captures (real model only)
-    tp: TpLink | None = None                   # rank 0 of a tensor-parallel worker
+    profiler: StepCapture | None = None       # steps run under its captures (real model only)
+    tp: TpFanout | None = None                   # rank 0 of a tensor-parallel worker
     stop_ranks: Callable[[float], None] | None = None  # wait up to N s for the other ranks, then kill
 
 
@@ -97,7 +115,7 @@ class Engine:
     """Owns the runner and the ROUTER socket; `run()` is the engine thread's body."""
 
     def __init__(self, cfg: WorkerConfig, sock: zmq.Socket | None, load_runner: Callable[[], Runner],
-                 tp: TpLink | None = None, profiler: StepProfiler | None = None) -> None:
+                 tp: TpFanout | None = None, profiler: StepCapture | None = None) -> None:
         self.cfg = cfg
         self.sock = sock           # None on tensor-parallel ranks > 0 (tp_ranks.follower_main)
         self.tp = tp               # tp_ranks.TpLink when --tensor-parallel-size > 1
