@@ -92,6 +92,7 @@ class RequestHandle:
 
     @property
     def prompt_token_ids(self):
+        """The prompt as submitted (what the router matches prefixes on when it moves)."""
         return self.submit_msg.prompt_token_ids
 
     # --- the reader's side -----------------------------------------------------------------
