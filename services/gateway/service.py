@@ -9,7 +9,7 @@ from services.common import pb
 from services.gateway.guard.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.embeddings import Embeddings
-from services.gateway.clients.engine_stream import RequestHandle
+from services.gateway.clients.request_handle import RequestHandle
 from services.gateway.clients.engine_pool import EnginePool
 from services.gateway.errors import ApiError
 from services.common.sampling_rules import Limits, RequestOptions
