@@ -1,6 +1,7 @@
 """Two revisions of the tree side by side in one run: the CPU throughput of the whole mesh (what
 `make bench` measures) and the frontend ceiling (`meshllm bench serve` against
-`--simulate-worker`), interleaved old, new, old, new so both see the same machine load.
+`--simulate-worker`), interleaved old, new, new, old, old, new, ... (the order flips every round, so
+a drift of the machine's load over the run weighs on both alike).
 
   .venv/bin/python bench/compare_revisions.py [--old REV] [--new REV|worktree] [--rounds 2]
 
@@ -101,10 +102,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", default="ef38d9e")
     ap.add_argument("--new", default="worktree")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--model-dir", default=None)
     a = ap.parse_args()
     if a.model_dir is None:
@@ -115,7 +116,8 @@ def main() -> int:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="meshllm-compare-"))
     try:
         for r in range(a.rounds):
-            for name, tree in trees.items():
+            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+            for name, tree in order:
                 cpu = run_in(tree, CPU_MESH.format(bench=str(ROOT / "bench"), model=a.model_dir,
                                                    tokens=a.tokens, concurrency=a.concurrency))
                 runs[name]["cpu_mesh"].append(cpu)
