@@ -13,6 +13,8 @@ Both include parsing and serializing. Only the worker's side: no scheduler, no s
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -134,6 +136,14 @@ def main() -> int:
               f"({a.batch} cached requests)")
     (bd, be), (ad, ae) = rows["before"], rows["after"]
     print(f"after / before: decode {ad / bd:.2f}x, encode {ae / be:.2f}x, total {(ad + ae) / (bd + be):.2f}x")
+    out = Path(__file__).resolve().parent / "results" / "worker_wire_cost.json"
+    out.write_text(json.dumps({
+        "schema": 1, "bench": "worker_wire_cost", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "batch": a.batch, "steps": a.steps, "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+        "us_per_step": {name: {"decode": d, "encode": e, "total": d + e} for name, (d, e) in rows.items()},
+        "ratio_after_over_before": {"decode": ad / bd, "encode": ae / be, "total": (ad + ae) / (bd + be)}},
+        indent=2))
+    print(f"wrote {out}")
     return 0
 
 
