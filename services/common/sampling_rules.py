@@ -7,8 +7,10 @@ means "default" on the wire (common.proto), and the rules read it that way.
 
 In the order a request meets them:
 - `check_request`, before tokenization: every rule that needs no prompt (ranges, n, logprobs,
-  logit_bias, stop strings and stop token ids, cache_salt, priority), so no tokenizer work
-  is spent on a request that will be refused.
+  logit_bias, stop strings and stop token ids, ignore_eos vs a structured output, cache_salt,
+  priority), so no tokenizer work is spent on a request that will be refused. The output
+  constraint itself is checked by services/common/structured.check (which imports this
+  module), called right after by the gateway.
 - `fit_to_prompt`, after tokenization: the prompt's ids against the vocabulary and the
   context, max_tokens resolved (0 = up to the context; prompt + max_tokens must fit) and
   min_tokens <= max_tokens. Its result is what the engine is sent (EngineSubmit's contract:
@@ -108,6 +110,9 @@ def check_request(sp: Any, options: RequestOptions, limits: Limits) -> None:
             raise SamplingRuleError(f"logit_bias values must be in [-100, 100], got {bias}",
                                     "logit_bias")
     _stop_strings(sp.stop, limits)
+    if sp.ignore_eos and sp.HasField("structured"):
+        # The grammar decides where the output ends (it allows EOS only once complete).
+        raise SamplingRuleError("ignore_eos cannot be combined with structured outputs", "ignore_eos")
     check_cache_salt(options.cache_salt)
     check_int32("priority", options.priority)
 

@@ -71,8 +71,8 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             sampling = request.sampling  # read only: start_n sends the rulebook's copy
             n = request.n or 1  # proto3: 0 = unset = one choice
             # The HTTP API's rules, before any tokenizer work (start_n trusts they passed).
-            self.gw.check_sampling(sampling, RequestOptions(n=n, cache_salt=request.cache_salt,
-                                                            priority=request.priority))
+            await self.gw.check_sampling(sampling, RequestOptions(
+                n=n, cache_salt=request.cache_salt, priority=request.priority))
             t0 = timer.tokenize_started() if timer is not None else 0
             prompt_ids = await self._prompt_ids(request)
             if timer is not None and request.WhichOneof("input") != "token_ids":

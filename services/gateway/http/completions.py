@@ -24,7 +24,8 @@ def add_completion_routes(app: FastAPI, gw: Gateway) -> None:
         req = parse_body(CompletionRequest, await read_body(request, cfg.max_body_bytes))
         gw.check_model(req.model)
         sampling = req.to_sampling()
-        gw.check_sampling(sampling, req.rule_options())  # before any tokenizer work
+        # Before any tokenizer work; refusals of the output constraint name the field it came in.
+        await gw.check_sampling(sampling, req.rule_options(), req.structured_param)
         if isinstance(req.prompt, str):
             t0 = timer.tokenize_started()
             prompt_ids = await gw.tokenize_text(req.prompt)
@@ -43,7 +44,8 @@ def add_completion_routes(app: FastAPI, gw: Gateway) -> None:
         gw.check_model(req.model)
         sampling = req.to_sampling()
         plan = plan_tools(req.tools, req.tool_choice, cfg.tool_call_parser)
-        gw.check_sampling(sampling, req.rule_options())  # before any tokenizer work
+        # Before any tokenizer work; refusals of the output constraint name the field it came in.
+        await gw.check_sampling(sampling, req.rule_options(), req.structured_param)
         t0 = timer.tokenize_started()
         prompt_ids = await gw.tokenize_chat(
             req.to_chat_messages(), req.add_generation_prompt, req.continue_final_message,

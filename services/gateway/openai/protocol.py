@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.common import pb
 from services.common.sampling_rules import RequestOptions
@@ -29,6 +29,47 @@ MAX_TOOLS_DEPTH = 32            # nesting inside `tools` (JSON schemas of the pa
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema (OpenAI): the schema is kept; name, description and strict are
+    accepted for the SDK (the output always follows the schema: strict or not)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    strict: bool | None = None
+    # `schema` would shadow a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsIn(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint. vLLM's tuning knobs
+    (whitespace_pattern, disable_* ...) select backend behaviour and are refused as unknown."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` shadows BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _structured_output(kind: str, value: Any) -> "pb.common.StructuredOutput":
+    """One constraint as the wire's StructuredOutput; its bounds and its grammar are checked
+    later, once, by the rulebook path (Gateway.check_sampling), for HTTP and gRPC alike."""
+    if kind == "json_schema":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return pb.common.StructuredOutput(json_schema=text)
+    if kind == "choice":
+        return pb.common.StructuredOutput(choice=pb.common.ChoiceList(choices=value))
+    return pb.common.StructuredOutput(**{kind: value})
 
 
 class _IgnoredOpenAIFields(BaseModel):
@@ -71,6 +112,13 @@ class _SamplingFields(_IgnoredOpenAIFields):
     priority: int = 0                 # extra body (vLLM): lower runs first under --scheduling-policy priority
     cache_salt: str | None = None     # extra body (vLLM): prefix-cache isolation between tenants
     return_timing: bool = False       # extra body: a `timing` breakdown in the response (timing.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None     # extra body (vLLM)
+    # vLLM's older spellings of structured_outputs' json / regex / choice / grammar.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     LOGPROBS_PARAM: ClassVar[str] = "logprobs"  # the field that carries the top-logprobs count
 
     @field_validator("stop")
@@ -97,6 +145,46 @@ class _SamplingFields(_IgnoredOpenAIFields):
     def _logprobs(self) -> int | None:
         """Top logprobs per token for the engine (None: no logprobs)."""
         return None
+
+    def _constraints(self) -> list[tuple[str, str, Any]]:
+        """Every output constraint the body names: (request field, StructuredOutput kind, value)."""
+        found: list[tuple[str, str, Any]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            if fmt.type == "json_schema":
+                if fmt.json_schema is None:
+                    raise invalid("response_format of type json_schema needs a json_schema object "
+                                  "({\"name\": ..., \"schema\": {...}})", "response_format")
+                found.append(("response_format", "json_schema", fmt.json_schema.schema_))
+            elif fmt.json_schema is not None:
+                raise invalid(f"response_format.json_schema is only allowed with type json_schema, "
+                              f"not {fmt.type}", "response_format")
+            elif fmt.type == "json_object":
+                found.append(("response_format", "json_object", True))
+        so = self.structured_outputs
+        if so is not None:
+            given = [(kind, value) for kind, value in (
+                ("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                ("grammar", so.grammar), ("json_object", so.json_object)) if value is not None]
+            if len(given) != 1:
+                raise invalid("structured_outputs needs exactly one of json, regex, choice, grammar "
+                              f"or json_object, got {len(given)}", "structured_outputs")
+            found.append(("structured_outputs", *given[0]))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, kind, getattr(self, name)))
+        if len(found) > 1:
+            names = [f for f, _, _ in found]
+            raise invalid(f"only one output constraint is allowed per request, got {', '.join(names)}",
+                          names[0])
+        return found
+
+    @property
+    def structured_param(self) -> str:
+        """The request field the output constraint came from: the rulebook's refusals name it."""
+        found = self._constraints()
+        return found[0][0] if found else "structured_outputs"
 
     @property
     def num_choices(self) -> int:
@@ -134,6 +222,8 @@ class _SamplingFields(_IgnoredOpenAIFields):
         )
         if self.seed is not None:
             sp.seed = self.seed
+        for _, kind, value in self._constraints():
+            sp.structured.CopyFrom(_structured_output(kind, value))
         if self._logprobs() is not None:
             sp.logprobs = self._logprobs()
         for tid in self.stop_token_ids or []:
@@ -231,7 +321,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -248,9 +337,6 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid(f"response_format {self.response_format.get('type')!r}: structured "
-                          "output is not supported yet", "response_format")
         if not self.messages:
             raise invalid("messages must contain at least one message", "messages")
         if self.tools:
