@@ -1,10 +1,11 @@
 """`tools` / `tool_choice` / `chat_template_kwargs` of a chat request -> what the template
 gets and how the output is parsed.
 
-Guarantee without structured output: `required` and a named function render the tools
-(only the named one) and parse the output with the tool-call parser; only calls to the
-allowed functions become `tool_calls` (others stay content). The model is not forced to
-call a tool: when it does not, the reply is content with finish_reason "stop"."""
+`required` and a named function render the tools (only the named one) and are enforced: the
+output is constrained to the tool-call parser's format with arguments that validate against
+each allowed tool's schema (openai/tool_grammar.py), so every returned call parses and
+validates. `auto` stays free: only calls to the rendered functions become `tool_calls`
+(others stay content)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ class ToolPlan:
     tools_json: str                   # for the chat template; "" = no tools rendered
     parse_tool_calls: bool
     allowed_names: set[str] | None    # None = any rendered tool
+    forced: bool = False              # required / named: the output must be tool calls
 
 
 def _tool_name(tool: Any, i: int) -> str:
@@ -46,14 +48,14 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, tool_parser: str | No
         raise invalid("tool calling needs the server started with --tool-call-parser "
                       "(hermes or llama3_json)", "tools")
     if choice in ("auto", "required"):
-        return ToolPlan(json.dumps(tools), True, set(names))
+        return ToolPlan(json.dumps(tools), True, set(names), forced=choice == "required")
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise invalid(f"tool_choice names function {name!r}, which is not in tools",
                           "tool_choice")
-        return ToolPlan(json.dumps([tools[names.index(name)]]), True, {name})
+        return ToolPlan(json.dumps([tools[names.index(name)]]), True, {name}, forced=True)
     raise invalid("tool_choice must be 'none', 'auto', 'required' or "
                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
 
