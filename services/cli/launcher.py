@@ -216,9 +216,10 @@ class Mesh:
         return pb.supervisor.ReplicaSpec(
             id=f"engine-{e.rank}", kind=pb.supervisor.REPLICA_KIND_ENGINE, rank=e.rank,
             addr=f"127.0.0.1:{e.scheduler_port}", processes=[worker, scheduler], restart_when_unready=True,
-            metrics_url=self._metrics_url(f"scheduler{suffix}"))
+            metrics_url=self.metrics_url(f"scheduler{suffix}"))
 
-    def _metrics_url(self, key: str) -> str:
+    def metrics_url(self, key: str) -> str:
+        """The /metrics URL of one service replica ("worker", "scheduler-1", ...), "" if it has none."""
         port = self.metrics_ports.get(key)
         return f"http://127.0.0.1:{port}/metrics" if port else ""
 
@@ -236,7 +237,7 @@ class Mesh:
                 unhealthy_after_s=LOOP_HEALTH_HANG_S,
                 processes=[self._process("tokenizer", tok_args, replica=key, health_addr=f"127.0.0.1:{port}",
                                          health_service="tokenizer")],
-                metrics_url=self._metrics_url(key)))
+                metrics_url=self.metrics_url(key)))
         embedder_args = []
         if c.embedding_model_dir:
             addr = f"127.0.0.1:{self.embedder_port}"
@@ -245,7 +246,7 @@ class Mesh:
                 processes=[self._process("embedder", ["--model", c.embedding_model_dir, "--host", "127.0.0.1",
                                                       "--port", str(self.embedder_port), "--device", c.device],
                                          health_addr=addr, health_service="embedder")],
-                metrics_url=self._metrics_url("embedder")))
+                metrics_url=self.metrics_url("embedder")))
             embedder_args = ["--embedder-addr", addr]
         replicas.append(self._profiler_replica())
         probe_host = "127.0.0.1" if h in ("0.0.0.0", "::", "") else h
@@ -294,7 +295,7 @@ class Mesh:
             id="profiler-0", kind=pb.supervisor.REPLICA_KIND_PROFILER, addr=addr,
             unhealthy_after_s=LOOP_HEALTH_HANG_S,
             processes=[self._process("profiler", args, extra_env=env, health_addr=addr, health_service="profiler")],
-            metrics_url=self._metrics_url("profiler"))
+            metrics_url=self.metrics_url("profiler"))
 
     def start(self) -> None:
         from services.cli.supervised import write_spec
