@@ -100,15 +100,6 @@ def test_n_and_logprobs_reach_the_engine_params():
     assert not plain.to_sampling().HasField("logprobs")
 
 
-@pytest.mark.parametrize("fmt", ["json_object", "json_schema"])
-def test_structured_output_is_rejected_with_a_clear_message(fmt):
-    req = parse_body(ChatCompletionRequest, body(messages=[{"role": "user", "content": "x"}],
-                                                 response_format={"type": fmt}))
-    err = error_of(req.to_sampling)
-    assert "structured output is not supported yet" in err["message"]
-    assert err["param"] == "response_format"
-
-
 def test_chat_messages_with_text_parts_are_joined_and_max_completion_tokens_wins():
     req = parse_body(ChatCompletionRequest, body(
         messages=[{"role": "system", "content": "be brief"},
