@@ -152,14 +152,6 @@ def test_echo_prefixes_the_prompt_and_refuses_prompt_logprobs(client, mesh, gree
         complete(client, mesh, echo=True, logprobs=1)
 
 
-@pytest.mark.parametrize("fmt", [{"type": "json_object"},
-                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])
-def test_structured_output_is_refused_clearly(client, mesh, fmt):
-    with pytest.raises(openai.BadRequestError, match="structured output is not supported yet"):
-        client.chat.completions.create(model=mesh.model_name, messages=[{"role": "user", "content": "x"}],
-                                       response_format=fmt, max_tokens=2)
-
-
 def test_usage_counts_equal_the_tokenizer_counts_and_user_is_accepted(client, mesh, http):
     msgs = [{"role": "user", "content": "What is the capital of Italy?"}]
     r = client.chat.completions.create(model=mesh.model_name, messages=msgs, max_tokens=3, user="alice")
