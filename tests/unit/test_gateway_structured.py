@@ -211,3 +211,23 @@ def test_the_grpc_path_gets_the_same_message_for_the_same_bad_schema(gateway):
     grpc = refusal(lambda: asyncio.run(gateway.check_sampling(sp, RequestOptions())))
     assert grpc["message"] == http["message"]
     assert grpc["param"] == "structured_outputs"
+
+
+def test_the_openapi_document_describes_response_format_and_structured_outputs(gateway):
+    from fastapi import FastAPI
+
+    from services.gateway.http import openapi
+    from services.gateway.http.completions import add_completion_routes
+    app = FastAPI()
+    add_completion_routes(app, gateway)
+    schemas = openapi.build(app)["components"]["schemas"]
+    for model in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas[model]["properties"]
+        assert props["response_format"]["anyOf"][0] == {"$ref": "#/components/schemas/ResponseFormat"}
+        assert props["guided_choice"]["anyOf"][0]["maxItems"] == 256
+    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]
+    assert schemas["JsonSchemaFormat"]["required"] == ["name", "schema"]
+    so = schemas["StructuredOutputsIn"]
+    assert so["maxProperties"] == 1 and set(so["properties"]) == {"json", "regex", "choice", "grammar",
+                                                                   "json_object"}
+    assert so["properties"]["choice"]["anyOf"][0]["minItems"] == 1

@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from services.common.sampling_rules import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from services.common.structured import MAX_CHOICES
 from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
 from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
@@ -60,10 +61,17 @@ _BOUNDS: dict[str, dict] = {
     "seed": {"minimum": -(2**63), "maximum": 2**63 - 1},
     "priority": {"minimum": -(2**31), "maximum": 2**31 - 1},
     "cache_salt": {"maxLength": MAX_CACHE_SALT_CHARS, "pattern": "^[A-Za-z0-9._:@/+=-]*$"},
+    "guided_choice": {"minItems": 1, "maxItems": MAX_CHOICES},
     "logit_bias": {"maxProperties": MAX_LOGIT_BIAS,
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
 }
 _INT_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}  # completions' logprobs (chat's is a bool)
+# The nested request models (components) with the same kind of bounds: structured_outputs names
+# one constraint (the others absent), a choice list is 1..MAX_CHOICES strings.
+_NESTED_BOUNDS: dict[str, dict[str, dict]] = {
+    "StructuredOutputsIn": {"choice": {"minItems": 1, "maxItems": MAX_CHOICES}},
+}
+_NESTED_SHAPES: dict[str, dict] = {"StructuredOutputsIn": {"minProperties": 1, "maxProperties": 1}}
 
 
 def _refine(name: str, schema: dict) -> None:
@@ -80,6 +88,13 @@ def _refine(name: str, schema: dict) -> None:
         for alt in prop.get("anyOf", [prop]):
             if alt.get("type") in ("integer", "number", "string", "object", "array"):
                 alt.update(bounds)
+
+
+def _bound(schema: dict, bounds: dict[str, dict]) -> None:
+    for field, prop in schema.get("properties", {}).items():
+        for alt in prop.get("anyOf", [prop]) if field in bounds else ():
+            if alt.get("type") in ("integer", "number", "string", "object", "array"):
+                alt.update(bounds[field])
 
 
 def _error_schema() -> dict:
@@ -100,7 +115,12 @@ def build(app: FastAPI) -> dict:
         if op is None:
             continue
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
+        defs = schema.pop("$defs", {})
+        for name, fields in _NESTED_BOUNDS.items():
+            if name in defs:
+                _bound(defs[name], fields)
+                defs[name].update(_NESTED_SHAPES.get(name, {}))
+        schemas.update(defs)
         _refine(model.__name__, schema)
         schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {"application/json": {
