@@ -3,6 +3,7 @@ with what surrounds it there (the step profiler, the other tensor-parallel ranks
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -41,7 +42,8 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
     runner = ModelRunner(model, model_name=cfg.served_model_name, kv_cache_bytes=cfg.kv_cache_bytes,
                          num_kv_blocks=cfg.num_kv_blocks or None, block_size=cfg.block_size,
                          enforce_eager=cfg.enforce_eager, kv_cache_dtype=cfg.kv_torch_dtype,
-                         seed_rng=tp.seed_rng if tp is not None else None)
+                         seed_rng=tp.seed_rng if tp is not None else None,
+                         tokenizer_path=os.path.join(cfg.model, "tokenizer.json"))
     if cfg.overlap_steps != "auto":
         runner.overlap = cfg.overlap_steps == "on"
     if tp is not None:

@@ -39,6 +39,9 @@ class SamplingConfig:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # (kind, llguidance grammar text) of a structured output (structured.py enforces it); None: free
+    # text. Grammar "" : the wire could not convert the constraint, the request is ended cleanly.
+    structured: tuple[str, str] | None = None
 
     @property
     def greedy(self) -> bool:

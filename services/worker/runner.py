@@ -16,6 +16,10 @@ launches N+1 while the GPU still runs N. A token sampled by a step not yet colle
 (repetition / frequency / presence penalties read the token history) make submit collect the
 earlier step first. On the CPU (`overlap` False) every submit finishes its step: the same code,
 with nothing to overlap.
+
+Structured outputs (structured.py): a grammar mask depends on every token sampled, so constrained
+rows count as penalised ones: the known cost of this slice is one added host/device sync for each
+overlapped GPU step holding a constrained request (other steps keep their overlap).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from services.worker.models.llama import LlamaModel
 from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, PlanError, SampledOutput, SamplingConfig, StepPlan,
                                   StepResult, TokenLogprob, WorkerInfo)
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
+from services.worker.structured import Constraints, RequestMatcher
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ class RequestState:
     num_computed_tokens: int      # tokens whose K/V this worker has written (or were cached)
     num_pending: int = 0          # sampled by a step not collected yet (0 or 1): not in token_ids
     pending_row: int = -1         # ... at this row of that step's samples (prev_tokens)
+    matcher: RequestMatcher | None = None   # structured output: fed every token in token_ids
 
     @property
     def num_known(self) -> int:
@@ -88,8 +94,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, *, model_name: str, kv_cache_bytes: int,
                  num_kv_blocks: int | None = None, block_size: int = 16,
                  enforce_eager: bool = False, max_num_tokens: int = 16384,
-                 seed_rng: random.Random | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
+                 seed_rng: random.Random | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 tokenizer_path: str | None = None) -> None:
         self.model = model
+        # Structured outputs need the model's tokenizer.json (None: constrained requests end at once).
+        self.constraints = Constraints(tokenizer_path, tuple(model.cfg.eos_token_ids), model.cfg.vocab_size)
         # Storage dtype of the KV cache: the model's dtype, or torch.float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = kv_cache_dtype or model.dtype
         # Base seeds of unseeded requests; tensor-parallel ranks pass one identically seeded rng
@@ -238,6 +247,9 @@ class ModelRunner:
             cfg = r.sampling
             state = RequestState(r.request_id, list(r.token_ids), list(r.block_ids), cfg,
                                  new_base_seed(cfg, self.seed_rng), r.num_output_tokens, r.num_computed_tokens)
+            if cfg.structured is not None:
+                state.matcher = self.constraints.start(r.request_id, cfg.structured,
+                                                       r.token_ids[len(r.token_ids) - r.num_output_tokens:])
             self.requests[r.request_id] = state
             scheduled.append(_Scheduled(state, r.num_computed_tokens, r.num_scheduled_tokens))
         for r in plan.cached_requests:
@@ -304,10 +316,10 @@ class ModelRunner:
         return step.handle is None or step not in self._unresolved or step.handle.ready()
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
-        """Penalties read the token history: a pending token must reach the host first."""
+        """Penalties and grammar masks read the token history: a pending token must reach the host first."""
         for r in plan.cached_requests:
             state = self.requests.get(r.request_id)
-            if state is not None and state.num_pending and state.sampling.has_penalties:
+            if state is not None and state.num_pending and (state.sampling.has_penalties or state.matcher):
                 return True
         return False
 
@@ -331,6 +343,8 @@ class ModelRunner:
             st.token_ids.append(tok.token_id)
             st.num_output_tokens += 1
             st.num_pending -= 1
+            if st.matcher is not None:
+                st.matcher.consume(tok.token_id)
             step.sampled[st.request_id] = tok
 
     def _resolve_all(self) -> None:
@@ -375,7 +389,9 @@ class ModelRunner:
         if sample_rows:
             rows = [SampleRow(s.state.sampling, s.state.token_ids, s.state.num_output_tokens + s.state.num_pending,
                               s.state.base_seed, position=s.state.num_known) for s in sampling_seqs]
-            handle = sample_async(logits, rows, self.model.cfg.eos_token_ids, out=self._prev_out(len(rows)))
+            bitmask = self.constraints.prepare(rows, [s.state.matcher for s in sampling_seqs])
+            handle = sample_async(logits, rows, self.model.cfg.eos_token_ids, out=self._prev_out(len(rows)),
+                                  bitmask=bitmask)
             for j, s in enumerate(sampling_seqs):
                 s.state.num_pending += 1
                 s.state.pending_row = j

@@ -1,7 +1,8 @@
 """Token sampling over a batch of logits rows, one row per request that samples this step.
 
 Order of operations (per row): logit_bias -> min_tokens (mask stop ids) -> repetition /
-presence / frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+presence / frequency penalties -> the structured-output bitmask (structured.py; where it allows
+only stop tokens, min_tokens yields to it: the grammar is complete) -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
 draw. Returned logprobs are those of the model's raw distribution (log_softmax of the
 unprocessed logits), like vLLM's default `raw_logprobs`.
 
@@ -49,6 +50,8 @@ class SampleRow:
     num_output_tokens: int     # outputs before this draw (token_ids may lack in-flight ones)
     base_seed: int
     position: int | None = None  # index of the token being drawn (None: len(token_ids))
+    mask_row: int = -1           # its row of the step's structured-output bitmask; -1: unconstrained
+    grammar_stops: bool = False  # that mask allows only stop tokens: min_tokens does not mask them
 
     @property
     def draw_position(self) -> int:
@@ -81,7 +84,7 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow],
         if cfg.logit_bias:
             ids = to_device([t for t, _ in cfg.logit_bias], torch.long, logits.device)
             logits[i, ids] += to_device([b for _, b in cfg.logit_bias], logits.dtype, logits.device)
-        if row.num_output_tokens < cfg.min_tokens:
+        if row.num_output_tokens < cfg.min_tokens and not row.grammar_stops:
             stop = set(cfg.stop_token_ids) | (set() if cfg.ignore_eos else set(eos_token_ids))
             stop = [t for t in stop if 0 <= t < v]
             if stop:
@@ -99,6 +102,28 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow],
             counts = torch.bincount(out, minlength=v)[:v].to(logits.dtype)
             logits[i] -= cfg.frequency_penalty * counts + cfg.presence_penalty * (counts > 0)
     return logits
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor) -> None:
+    """In place on `logits` [N, V]: tokens the grammar refuses -> -inf in the constrained rows.
+    `bitmask` int32 [k, W] on the host, row j for the j-th constrained row (structured.py). Our
+    own unpacking rather than llguidance.torch's apply, which goes through torch.compile (a compile
+    at first use, and again per new shape)."""
+    idx = [i for i, r in enumerate(rows) if r.mask_row >= 0]
+    if not idx:
+        return
+    dev = logits.device
+    v, (k, w) = logits.shape[1], bitmask.shape
+    bm = bitmask.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bitmask
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    refused = ((bm[:, :, None] >> shifts) & 1).reshape(k, 32 * w) == 0          # [k, 32W]
+    i_idx = to_device(idx, torch.long, dev)
+    sub = logits.index_select(0, i_idx)                                         # [k, V]
+    n = min(v, 32 * w)
+    sub[:, :n].masked_fill_(refused[:, :n], float("-inf"))
+    if v > n:   # a padded embedding: ids the tokenizer does not have are never allowed
+        sub[:, n:] = float("-inf")
+    logits.index_copy_(0, i_idx, sub)
 
 
 def _restrict(x: torch.Tensor, cfgs: list[SamplingConfig]) -> torch.Tensor:
@@ -168,9 +193,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
 
 
 def sample_async(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
-                 out: torch.Tensor | None = None) -> SampleHandle:
+                 out: torch.Tensor | None = None, bitmask: torch.Tensor | None = None) -> SampleHandle:
     """Enqueue sampling of logits [N, V] float32 (modified in place). `out` ([N] long on the
-    logits' device) also receives the sampled ids there, for the next step's inputs."""
+    logits' device) also receives the sampled ids there, for the next step's inputs. `bitmask`:
+    the structured-output masks of the rows with a mask_row (apply_bitmask)."""
     n = logits.shape[0]
     dev = logits.device
     # index_select / index_copy_ with index tensors: list indexing is slow on CPU.
@@ -178,6 +204,8 @@ def sample_async(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tup
     lp_idx = to_device(want_lp, torch.long, dev) if want_lp else None
     raw_lp = torch.log_softmax(logits.index_select(0, lp_idx), dim=-1) if want_lp else None
     logits = apply_logits_processors(logits, rows, eos_token_ids)
+    if bitmask is not None:
+        apply_bitmask(logits, rows, bitmask)
     greedy = [i for i, r in enumerate(rows) if r.cfg.greedy]
     if len(greedy) == n:
         # Straight into `out` when given: one kernel less in the common decode step.

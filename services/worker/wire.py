@@ -6,12 +6,17 @@ dataclasses. Torch-free, so the simulated worker shares it.
 """
 from __future__ import annotations
 
+import logging
+
 from google.protobuf.message import DecodeError
 
 from services.common import pb
 from services.common.sampling_rules import MAX_LOGPROBS, SamplingRuleError, check_engine_sampling
+from services.common.structured import grammar_of, kind_of
 from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, CachedRequest, Hello, NewRequest, SamplingConfig,
                                   StepPlan, StepResult, TraceContext, WorkerInfo)
+
+log = logging.getLogger(__name__)
 
 _ERROR = {INVALID_ARGUMENT: pb.common.ERROR_CODE_INVALID_ARGUMENT, INTERNAL: pb.common.ERROR_CODE_INTERNAL}
 
@@ -40,7 +45,21 @@ def sampling_from_proto(sp: pb.common.SamplingParams, vocab_size: int) -> Sampli
         min_tokens=max(0, sp.min_tokens),
         stop_token_ids=tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size),
         ignore_eos=sp.ignore_eos,
+        structured=structured_from_proto(sp) if sp.HasField("structured") else None,
     )
+
+
+def structured_from_proto(sp: pb.common.SamplingParams) -> tuple[str, str]:
+    """(kind, grammar text) of a set constraint. The gateway validated it (structured.check); one
+    that still fails to convert gives the grammar "" so that only its own request ends (the runner
+    forces EOS), never the plan with the other requests of its step."""
+    so = sp.structured
+    kind = kind_of(so) or ""
+    try:
+        return kind, grammar_of(so)
+    except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError, a bad proto others
+        log.warning("structured output (%s) not convertible: %s", kind, type(exc).__name__)
+        return kind, ""
 
 
 def plan_from_proto(msg: pb.step.StepPlan, vocab_size: int) -> StepPlan:
