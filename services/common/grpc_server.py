@@ -98,8 +98,11 @@ def make_server(service: str, service_names: list[str],
     from services.common.metrics import GrpcMetricsInterceptor
     # Metrics outermost: calls refused by the others (API keys) are counted with their status.
     from services.common.grpc_tracing import tracing_interceptors
-    # Tracing (only when on) innermost: a call refused by an API-key check gets no span.
-    interceptors = [GrpcMetricsInterceptor(service), *(interceptors or []), *tracing_interceptors()]
+    # Tracing (only when on) inside: a call refused by an API-key check gets no span.
+    from services.common.grpc_decode import DecodeGuardInterceptor
+    # The decode guard innermost: an undecodable request is INVALID_ARGUMENT before any servicer.
+    interceptors = [GrpcMetricsInterceptor(service), *(interceptors or []), *tracing_interceptors(),
+                    DecodeGuardInterceptor()]
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health = ServiceHealth(service)
     health.servicer.set("", hpb.HealthCheckResponse.SERVING)
