@@ -66,3 +66,55 @@ def test_two_constraints_are_a_400_on_completions_and_chat(http, mesh):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "response_format"
         assert "only one output constraint" in r.json()["error"]["message"]
+
+
+# ---- the output follows the constraint (the worker enforces it while sampling) -----------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
+
+
+def chat_outputs(http, mesh, n=1, max_tokens=96, **fields) -> list[tuple[str, str]]:
+    r = http.post("/v1/chat/completions", json={"model": mesh.model_name, "messages": ASK,
+                                                "temperature": 0, "max_tokens": max_tokens,
+                                                "n": n, **fields})
+    assert r.status_code == 200, r.text
+    return [(c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]]
+
+
+def test_a_json_schema_output_parses_and_validates(http, mesh):
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for text, reason in chat_outputs(http, mesh, n=2, response_format=fmt):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_regex_choice_and_json_object_outputs_follow_their_constraint(http, mesh):
+    import re
+    [(text, _)] = chat_outputs(http, mesh, structured_outputs={"regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
+    [(text, _)] = chat_outputs(http, mesh, guided_choice=["cat", "dog", "fish"])
+    assert text in ("cat", "dog", "fish")
+    [(text, reason)] = chat_outputs(http, mesh, max_tokens=64,
+                                    response_format={"type": "json_object"})
+    if reason == "stop":   # a length stop may leave the object unfinished
+        assert isinstance(json.loads(text), dict), text
+    else:
+        assert text.lstrip().startswith("{"), text
+
+
+def test_a_streamed_json_schema_output_validates(http, mesh):
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    text = ""
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": mesh.model_name, "messages": ASK, "temperature": 0, "max_tokens": 96,
+            "stream": True, "response_format": fmt}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+    jsonschema.validate(json.loads(text), PERSON)
