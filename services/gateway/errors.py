@@ -42,6 +42,22 @@ _FROM_GRPC = {
 
 
 RETRY_AFTER_S = 1
+# Error messages quote the input they refuse (a model name, a field, a value): an error body is
+# never larger than these, whatever a client sent (a 3 MB model name gets a 1 KiB answer).
+MAX_MESSAGE_CHARS = 1024
+MAX_PARAM_CHARS = 128
+_TAIL_CHARS = 200   # the end of a message says what is wrong ("... does not exist."): keep it
+
+
+def _bounded(text: str | None, limit: int) -> str | None:
+    """`text` cut in the middle to at most `limit` characters, saying how much went."""
+    if text is None or len(text) <= limit:
+        return text
+    tail = min(_TAIL_CHARS, limit // 4)
+    cut = f" [... {len(text) - limit} characters truncated ...] "
+    keep_head = max(0, limit - tail - len(cut) - 8)  # 8: room for the count's digits to grow
+    cut = f" [... {len(text) - keep_head - tail} characters truncated ...] "
+    return text[:keep_head] + cut + (text[-tail:] if tail else "")
 
 
 class ApiError(Exception):
@@ -51,8 +67,10 @@ class ApiError(Exception):
                  code: str | None = None) -> None:
         if kind not in _KINDS:
             raise ValueError(f"unknown error kind {kind!r}")
+        message = _bounded(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
-        self.kind, self.message, self.param, self.code = kind, message, param, code
+        self.kind, self.message, self.code = kind, message, code
+        self.param = _bounded(param, MAX_PARAM_CHARS)
 
     @property
     def http_status(self) -> int:

@@ -95,3 +95,20 @@ def test_grpc_bad_input_is_invalid_argument_and_unknown_model_not_found(mesh):
         ok = list(stub.Generate(pb.generation.GenerateRequest(
             model=mesh.model_name, text="Hello", sampling=pb.common.SamplingParams(max_tokens=3)), timeout=60))
         assert sum(len(r.token_ids) for r in ok) >= 1
+
+
+def test_error_bodies_quote_a_bounded_prefix_of_a_huge_input(http, mesh):
+    huge = "m" * (3 * 1024 * 1024)                      # a 3 MB model name, under the body limit
+    r = http.post("/v1/chat/completions", json={"model": huge, "messages": [{"role": "user", "content": "hi"}]})
+    assert_openai_error(r, 404, "does not exist", "truncated")
+    assert len(r.content) < 4096
+    r = http.post("/v1/completions", json={"model": mesh.model_name, "prompt": "hi", "x" * 100_000: 1})
+    assert_openai_error(r, 400, "unknown field")
+    assert len(r.content) < 4096 and len(r.json()["error"]["param"]) <= 128
+    with grpc.insecure_channel(mesh.grpc_addr) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb.generation_grpc.GenerationStub(ch).Generate(
+                pb.generation.GenerateRequest(model=huge, text="hi"), timeout=60))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert len(info.value.details()) <= 1024
+    assert_still_serving(http, mesh)
