@@ -16,6 +16,13 @@ FORWARD = Histogram(PREFIX + "worker_step_duration_seconds",
                     _LABELS, buckets=STEP_LATENCY_BUCKETS)
 TOKENS = Counter(PREFIX + "worker_scheduled_tokens_total", "tokens computed (prompt and decode)", _LABELS)
 SAMPLED = Counter(PREFIX + "worker_sampled_tokens_total", "tokens sampled", _LABELS)
+# Structured outputs (structured.py observes them from the runner, which knows no engine id).
+MATCHER_BUILD = Histogram(PREFIX + "worker_structured_matcher_build_seconds",
+                          "time to build one grammar matcher (a grammar not in the template cache)",
+                          ["model_name"], buckets=STEP_LATENCY_BUCKETS)
+MASK_PER_ROW = Histogram(PREFIX + "worker_structured_mask_seconds_per_row",
+                         "host time to compute one constrained row's token mask, averaged over a step",
+                         ["model_name"], buckets=STEP_LATENCY_BUCKETS)
 
 
 class WorkerMetrics:

@@ -98,7 +98,8 @@ class ModelRunner:
                  tokenizer_path: str | None = None) -> None:
         self.model = model
         # Structured outputs need the model's tokenizer.json (None: constrained requests end at once).
-        self.constraints = Constraints(tokenizer_path, tuple(model.cfg.eos_token_ids), model.cfg.vocab_size)
+        self.constraints = Constraints(tokenizer_path, tuple(model.cfg.eos_token_ids), model.cfg.vocab_size,
+                                       model_name)
         # Storage dtype of the KV cache: the model's dtype, or torch.float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = kv_cache_dtype or model.dtype
         # Base seeds of unseeded requests; tensor-parallel ranks pass one identically seeded rng

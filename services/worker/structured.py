@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from services.common.structured import parser_limits
+from services.worker.metrics import MASK_PER_ROW, MATCHER_BUILD
 from services.worker.sampling import SampleRow
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class Constraints:
     """A runner's structured-output state: the tokenizer (lazy) and the template LRU."""
 
     def __init__(self, tokenizer_path: str | None, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 cache_size: int = TEMPLATE_CACHE_SIZE) -> None:
+                 model_name: str = "", cache_size: int = TEMPLATE_CACHE_SIZE) -> None:
+        self._build_hist, self._mask_hist = MATCHER_BUILD.labels(model_name), MASK_PER_ROW.labels(model_name)
         self.tokenizer_path, self.eos_token_ids = tokenizer_path, tuple(eos_token_ids)
         self.vocab_size = vocab_size      # the model's: sizes the EOS-only masks if no tokenizer builds
         self.cache_size = cache_size
@@ -99,7 +101,9 @@ class Constraints:
         from llguidance import LLMatcher
         t0 = time.perf_counter()
         m = LLMatcher(self._tokenizer, grammar, limits=parser_limits())
-        self.build_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.build_s += took
+        self._build_hist.observe(took)
         m = None if m.is_error() else m
         self._templates[grammar] = m
         if len(self._templates) > self.cache_size:
@@ -153,7 +157,9 @@ class Constraints:
                 # min_tokens would mask the very tokens the grammar allows: the grammar wins.
                 stop = self._bits(set(cfg.stop_token_ids) | set(() if cfg.ignore_eos else self.eos_token_ids))
                 row.grammar_stops = not np.any(words[r] & ~stop)
-        self.mask_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.mask_s += took
+        self._mask_hist.observe(took / k)     # one observation per step, never per token
         return bitmask
 
     def _bits(self, token_ids) -> np.ndarray:

@@ -152,3 +152,15 @@ def test_bitmask_refuses_unset_bits_and_the_padded_vocabulary():
     apply_bitmask(logits, rows, bitmask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [5, 63]
     assert torch.isfinite(logits[1]).all(), "an unconstrained row is untouched"
+
+
+def test_matcher_builds_and_masks_are_measured(runner, smol):
+    from prometheus_client import REGISTRY
+    _, tok = smol
+    count = lambda name: REGISTRY.get_sample_value(name + "_count", {"model_name": "smol"}) or 0.0  # noqa: E731
+    before = (count("meshllm:worker_structured_matcher_build_seconds"),
+              count("meshllm:worker_structured_mask_seconds_per_row"))
+    schema = dict(SCHEMA, title="measured")               # a grammar not in the template cache yet
+    out = run(runner, tok, {"j": ("JSON:", sampling(json_schema=json.dumps(schema)))})
+    assert count("meshllm:worker_structured_matcher_build_seconds") == before[0] + 1
+    assert count("meshllm:worker_structured_mask_seconds_per_row") == before[1] + len(out["j"])
