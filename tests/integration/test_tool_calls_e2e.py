@@ -78,3 +78,68 @@ def test_the_tool_result_turn_is_answered(client, tool_mesh):
                                        temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens > 0
+
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 12}},
+                                          "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                      "parameters": {"type": "object", "properties": {
+                                          "a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+                                          "required": ["a", "b"], "additionalProperties": False}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+# No example and a question that needs no tool: left free, the model answers in prose.
+CHAT = [{"role": "user", "content": "Tell me something nice about the sea."}]
+
+
+def _assert_valid_calls(calls, allowed):
+    import jsonschema
+    assert calls
+    for name, arguments in calls:
+        assert name in allowed
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("tool_choice,allowed", [
+    ("required", {"get_weather", "add"}),
+    ({"type": "function", "function": {"name": "add"}}, {"add"}),
+])
+def test_required_and_named_tool_choice_force_calls_that_validate(client, tool_mesh, tool_choice, allowed):
+    # One call: left to allow several, greedy SmolLM2 goes on calling until max_tokens.
+    r = client.chat.completions.create(model=tool_mesh.model_name, messages=CHAT, tools=FORCED_TOOLS,
+                                       tool_choice=tool_choice, max_tokens=96, temperature=0,
+                                       parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    _assert_valid_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], allowed)
+    free = client.chat.completions.create(model=tool_mesh.model_name, messages=CHAT, tools=FORCED_TOOLS,
+                                          tool_choice="auto", max_tokens=24, temperature=0)
+    assert free.choices[0].message.content and not free.choices[0].message.tool_calls  # auto stays free
+
+
+def test_a_forced_tool_call_streams_and_validates(client, tool_mesh):
+    chunks = list(client.chat.completions.create(
+        model=tool_mesh.model_name, messages=CHAT, tools=FORCED_TOOLS, tool_choice="required", max_tokens=96,
+        temperature=0.8, seed=7, stream=True, parallel_tool_calls=False))
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(tc.index, ["", ""])
+            if tc.function:
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+    assert len(calls) == 1                      # parallel_tool_calls false: one call
+    _assert_valid_calls([tuple(v) for v in calls.values()], {"get_weather", "add"})
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_a_forced_tool_choice_with_another_constraint_is_a_400(client, tool_mesh):
+    import openai
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=tool_mesh.model_name, messages=CHAT, tools=FORCED_TOOLS,
+                                       tool_choice="required", response_format={"type": "json_object"},
+                                       max_tokens=8)
+    assert "tool_choice" in str(err.value)
