@@ -100,11 +100,14 @@ class Constraints:
             return self._templates[grammar]
         from llguidance import LLMatcher
         t0 = time.perf_counter()
-        m = LLMatcher(self._tokenizer, grammar, limits=parser_limits())
+        try:
+            m = LLMatcher(self._tokenizer, grammar, limits=parser_limits())
+            m = None if m.is_error() else m
+        except Exception:  # noqa: BLE001 - it reports grammar errors by is_error(); anything else ends one request too
+            m = None
         took = time.perf_counter() - t0
         self.build_s += took
         self._build_hist.observe(took)
-        m = None if m.is_error() else m
         self._templates[grammar] = m
         if len(self._templates) > self.cache_size:
             self._templates.popitem(last=False)
