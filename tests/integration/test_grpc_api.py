@@ -60,3 +60,43 @@ def test_gateway_health_thread_reports_ready_with_its_reason(mesh):
             assert resp.status == health_pb2.HealthCheckResponse.SERVING, service
         status = pb.health_grpc.StatusStub(ch).GetStatus(pb.health.StatusRequest(), timeout=10)
         assert status.state == pb.health.SERVING_STATE_READY and status.reason == "ready"
+
+
+def test_grpc_chat_json_fields_get_the_http_limits(mesh):
+    """tools_json, chat_template_kwargs_json and tool_calls_json are held to what HTTP enforces on
+    the same fields: nesting, size, tool count and shape, the tool-call parser requirement."""
+    import json
+
+    import pytest
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    user = pb.common.ChatMessage(role="user", content="Hi!")
+    deep = "[" * 5000 + "]" * 5000
+    cases = {
+        "chat.tools_json": pb.generation.ChatInput(messages=[user], tools_json=deep),
+        "chat.chat_template_kwargs_json": pb.generation.ChatInput(
+            messages=[user], chat_template_kwargs_json='{"a": ' + deep + "}"),
+        "chat.messages[1].tool_calls_json": pb.generation.ChatInput(messages=[
+            user, pb.common.ChatMessage(role="assistant", tool_calls_json=deep)]),
+        "at most 128 tools": pb.generation.ChatInput(messages=[user], tools_json=json.dumps([tool] * 1000)),
+        "--tool-call-parser": pb.generation.ChatInput(messages=[user], tools_json=json.dumps([tool])),
+        "is not valid JSON": pb.generation.ChatInput(messages=[user], chat_template_kwargs_json="{nope"),
+    }
+    with grpc.insecure_channel(mesh.grpc_addr) as ch:
+        stub = pb.generation_grpc.GenerationStub(ch)
+        for words, chat in cases.items():
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(pb.generation.GenerateRequest(
+                    model=mesh.model_name, chat=chat, sampling=pb.common.SamplingParams(max_tokens=2)), timeout=60))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (words, err.value.details())
+            assert words in err.value.details(), err.value.details()
+        # Tokenize only renders tools: no parser needed, the limits still hold.
+        ok = stub.Tokenize(pb.generation.TokenizeRequest(model=mesh.model_name, chat=pb.generation.ChatInput(
+            messages=[user], tools_json=json.dumps([tool]))), timeout=30)
+        assert ok.count > 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(pb.generation.TokenizeRequest(model=mesh.model_name, chat=cases["chat.tools_json"]),
+                          timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        out = list(stub.Generate(pb.generation.GenerateRequest(
+            model=mesh.model_name, text="Hello", sampling=pb.common.SamplingParams(max_tokens=2)), timeout=60))
+        assert out[-1].usage.completion_tokens >= 1

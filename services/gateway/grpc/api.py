@@ -9,6 +9,7 @@ import grpc
 from services.common import finish, pb, telemetry
 from services.common.sampling_rules import RequestOptions
 from services.gateway.clients.engine_pool import reset_prefix_caches
+from services.gateway.openai.chat_input import check_chat_input
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
@@ -32,8 +33,10 @@ def _chat_args(chat: "pb.generation.ChatInput") -> tuple[bool, bool]:
     return add, chat.continue_final_message
 
 
-async def _tokenize_chat(gw: Gateway, chat: "pb.generation.ChatInput") -> list[int]:
+async def _tokenize_chat(gw: Gateway, chat: "pb.generation.ChatInput", *,
+                         render_only: bool = False) -> list[int]:
     add, cont = _chat_args(chat)
+    check_chat_input(chat, gw.config.tool_call_parser, render_only=render_only)
     return await gw.tokenize_chat(chat.messages, add, cont, tools_json=chat.tools_json,
                                   chat_template_kwargs_json=chat.chat_template_kwargs_json)
 
@@ -131,7 +134,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             if which == "text":
                 ids = await self.gw.tokenizer.encode(request.text, request.add_special_tokens)
             elif which == "chat":
-                ids = await _tokenize_chat(self.gw, request.chat)
+                ids = await _tokenize_chat(self.gw, request.chat, render_only=True)
             else:
                 raise ApiError("invalid_argument", "input must be one of text or chat")
         except ApiError as err:
