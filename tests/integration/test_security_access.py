@@ -75,6 +75,33 @@ def test_admin_routes_need_the_admin_key(keyed):
     assert r.status_code == 404
 
 
+def test_only_the_owner_or_an_admin_can_abort_a_request(keyed, mesh):
+    """Request ids are often client-chosen and guessable: another tenant's Abort must neither
+    stop the request nor tell that it exists (it answers as for an unknown id)."""
+    def md(key: str):
+        return (("authorization", f"Bearer {key}"),)
+
+    long = pb.common.SamplingParams(max_tokens=1500, ignore_eos=True)
+    with grpc.insecure_channel(keyed.grpc_addr) as ch:
+        stub = pb.generation_grpc.GenerationStub(ch)
+        for rid, killer in (("owned-by-flag-1", KEYS["flag"]), ("owned-by-flag-2", ADMIN)):
+            call = stub.Generate(pb.generation.GenerateRequest(model=mesh.model_name, text="Tell me a story",
+                                                               request_id=rid, sampling=long),
+                                 metadata=md(KEYS["flag"]), timeout=120)
+            next(call)
+            other = stub.Abort(pb.generation.AbortRequest(request_ids=[rid]), metadata=md(KEYS["file"]), timeout=30)
+            unknown = stub.Abort(pb.generation.AbortRequest(request_ids=["no-such-request"]),
+                                 metadata=md(KEYS["file"]), timeout=30)
+            assert other.aborted == unknown.aborted == 0
+            assert next(call).token_ids        # still running after the foreign abort
+            assert stub.Abort(pb.generation.AbortRequest(request_ids=[rid]), metadata=md(killer),
+                              timeout=30).aborted == 1
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+
+
 def test_grpc_needs_the_key_in_metadata_and_health_stays_open(keyed, mesh):
     req = pb.generation.GenerateRequest(model=mesh.model_name, text="Hello",
                                         sampling=pb.common.SamplingParams(max_tokens=1))

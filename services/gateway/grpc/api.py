@@ -13,6 +13,7 @@ from services.gateway.openai.chat_input import check_chat_input
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
+from services.gateway.guard.auth import ApiKeys
 from services.gateway.ids import new_request_id, sane_client_id
 from services.gateway.service import Gateway
 from services.gateway.timing import RequestTimer
@@ -45,9 +46,18 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.started = int(time.time())
-        # Requests started through this API (the only ones its Abort may touch); bounded by
-        # the engine client's in-flight limit, cleaned when each stream ends.
-        self._active: dict[str, ChoiceGroup] = {}
+        # Requests started through this API (the only ones its Abort may touch), with the owner
+        # that started them; bounded by the engine client's in-flight limit, cleaned when each
+        # stream ends.
+        self._active: dict[str, tuple[ChoiceGroup, str]] = {}
+        self._keys = ApiKeys(gw.config.api_keys, gw.config.admin_api_keys)
+
+    def _caller(self, context) -> tuple[str, bool]:
+        """(owner, is_admin) from the call's `authorization` metadata (guard/auth.py)."""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                return self._keys.principal(value)
+        return self._keys.principal(None)
 
     async def _prompt_ids(self, request: "pb.generation.GenerateRequest") -> list[int]:
         which = request.WhichOneof("input")
@@ -85,7 +95,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                                                       priority=request.priority))
             if timer is not None:
                 track_timing(handle.handles)
-            self._active[rid] = handle
+            self._active[rid] = (handle, self._caller(context)[0])
             remaining = n
             async for index, delta in handle:
                 if delta.error is not None:
@@ -118,7 +128,7 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             telemetry.detach(token)
             end_grpc_request_span(span, outcome, handle)
             if handle is not None:
-                if self._active.get(rid) is handle:
+                if self._active.get(rid, (None,))[0] is handle:
                     del self._active[rid]
                 handle.abort()
             log.info("request id=%s route=grpc Generate outcome=%s prompt_tokens=%d "
@@ -152,12 +162,17 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
         return await grpc_embed(self.gw.embeddings, request, context)
 
     async def Abort(self, request, context):
+        """Aborts the caller's own requests (an admin key: any). Another caller's request id
+        counts like an unknown one: the answer tells nothing about other tenants' requests."""
+        owner, admin = self._caller(context)
         aborted = 0
         for rid in request.request_ids:
-            handle = self._active.pop(rid, None)
-            if handle is not None:
-                handle.abort()
-                aborted += 1
+            entry = self._active.get(rid)
+            if entry is None or not (admin or entry[1] == owner):
+                continue
+            del self._active[rid]
+            entry[0].abort()
+            aborted += 1
         return pb.generation.AbortResponse(aborted=aborted)
 
     async def ResetPrefixCache(self, request, context):

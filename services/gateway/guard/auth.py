@@ -99,6 +99,18 @@ class ApiKeys:
             return "user"
         return None
 
+    def principal(self, authorization: str | bytes | None) -> tuple[str, bool]:
+        """(owner, is_admin) of a caller: the owner is a digest of the key it presented, the
+        same for every request made with that key and never the key itself; callers without a
+        valid key (only possible when the API is open) share the anonymous owner "". Requests
+        are owned by their creator: abort, cancel and retrieval by id check it (an admin key
+        may act on any request)."""
+        role = self.role(authorization)
+        if role is None:
+            return "", False
+        token = authorization.decode("latin-1") if isinstance(authorization, bytes) else authorization
+        return _digest(token.strip().partition(" ")[2].strip()).hex()[:32], role == "admin"
+
     def check(self, authorization, admin: bool, where: str, client: str = "-") -> None:
         """Raises ApiError unauthenticated / permission_denied."""
         if not self.enabled and not admin:
