@@ -15,6 +15,10 @@ MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 32                # nesting of the JSON Schema document itself
 PARAM = "structured_outputs"
 _ANY_OBJECT = '{"type": "object"}'
+# Whitespace between JSON tokens: enough for pretty-printing (newline + indentation), never an
+# endless run: with unbounded whitespace a model can wander into spaces and newlines until
+# max_tokens (small and random-weight models do). A schema's own "x-guidance" options override it.
+_JSON_STYLE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
@@ -78,9 +82,9 @@ def grammar_of(so) -> str:
     from llguidance import LLMatcher, grammar_from
     kind = kind_of(so)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(so.json_schema)
+        return LLMatcher.grammar_from_json_schema(so.json_schema, defaults=_JSON_STYLE)
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+        return LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_STYLE)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(so.regex)
     if kind == "choice":
