@@ -13,6 +13,7 @@ step computes real masks; interleaved free / constrained / free / constrained.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import re
@@ -101,7 +102,8 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/gpu_structured.json")
     a = p.parse_args()
     tok = Tokenizer.from_file(a.tokenizer)
-    cfg = llama31_8b_config()
+    # EOS of the grammar's tokenizer: the random model's own (Llama-3 ids) are not in SmolLM2's vocabulary.
+    cfg = dataclasses.replace(llama31_8b_config(), eos_token_ids=(EOS,))
     model = build_model(cfg, 4096)
     runner = ModelRunner(model, model_name="llama31-8b-random", kv_cache_bytes=8 << 30, block_size=BS,
                          tokenizer_path=a.tokenizer)

@@ -85,7 +85,9 @@ class Constraints:
                     self._tokenizer = LLTokenizer(f.read(), eos_token=list(self.eos_token_ids) or None)
             except Exception as exc:  # noqa: BLE001 - a worker without one still serves free text
                 self._tokenizer_failed = True
-                log.warning("structured outputs unavailable: tokenizer not built (%s)", type(exc).__name__)
+                # The reason names the file or the EOS ids, never request text.
+                log.warning("structured outputs unavailable: tokenizer not built (%s: %s)", type(exc).__name__,
+                            str(exc)[:200])
         return self._tokenizer
 
     @property
