@@ -74,8 +74,8 @@ def mask_seconds(metrics_url: str) -> tuple[float, float]:
         text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     except OSError:
         return 0.0, 0.0
-    total = re.search(r"^meshllm_\w*mask\w*_seconds_sum\{[^}]*\} (\S+)$", text, re.M)
-    count = re.search(r"^meshllm_\w*mask\w*_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    total = re.search(r"^meshllm[:_]\w*structured_mask\w*_sum\{[^}]*\} (\S+)$", text, re.M)
+    count = re.search(r"^meshllm[:_]\w*structured_mask\w*_count\{[^}]*\} (\S+)$", text, re.M)
     return (float(total.group(1)) if total else 0.0), (float(count.group(1)) if count else 0.0)
 
 
