@@ -31,6 +31,15 @@ class GatewayConfig:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
     tokenizer_timeout_s: float = 30.0
+    # HTTP connections (guard/connections.py): the cap (0: min(8192, RLIMIT_NOFILE / 2)), and
+    # the deadlines that close idle, slow and stalled connections.
+    max_connections: int = 0
+    keep_alive_timeout_s: float = 5.0     # idle: after connect or a response, to the next byte
+    header_timeout_s: float = 10.0        # a request head, from its first byte to its end
+    body_timeout_s: float = 10.0          # a body brings body_min_rate bytes/s in each such window
+    body_min_rate: int = 1024
+    max_header_bytes: int = 16 * 1024     # the request line and headers, whether in one read or many
+    max_headers: int = 100
     shutdown_grace_s: float = 2.0
     log_level: str = "INFO"
     reasoning_parser: str | None = None   # deepseek_r1 | qwen3
@@ -85,3 +94,12 @@ class GatewayConfig:
             raise ValueError("--shutdown-grace-s must be >= 0")
         if self.tokenizer_timeout_s <= 0:
             raise ValueError("--tokenizer-timeout-s must be positive")
+        if self.max_connections < 0:
+            raise ValueError("--max-connections must be >= 0 (0: min(8192, RLIMIT_NOFILE / 2))")
+        for name in ("keep_alive_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.body_min_rate < 1:
+            raise ValueError("--body-min-rate must be at least 1 byte/s")
+        if self.max_header_bytes < 1024 or self.max_headers < 8:
+            raise ValueError("--max-header-bytes must be at least 1024 and --max-headers at least 8")

@@ -1,4 +1,4 @@
-"""The gateway's security and intake flags (API keys, TLS, intake limits): parsed by the
+"""The gateway's security and intake flags (API keys, TLS, intake and connection limits): parsed by the
 gateway's main, and passed on by launchers (`meshllm serve/up`) that start a gateway.
 
 This is one of the modules other packages may import (with main and config): the launcher
@@ -20,6 +20,22 @@ def add_flags(p: argparse.ArgumentParser, defaults) -> None:
     p.add_argument("--max-compression-ratio", type=float,
                    default=defaults.max_compression_ratio,
                    help="refuse Content-Encoding bodies that expand more than this")
+    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help="open HTTP connections per gateway process; past it the oldest idle one "
+                        "is closed, or the new one if none is idle (0: min(8192, RLIMIT_NOFILE/2))")
+    p.add_argument("--keep-alive-timeout-s", type=float, default=defaults.keep_alive_timeout_s,
+                   help="close an HTTP connection idle this long (after connect or a response)")
+    p.add_argument("--header-timeout-s", type=float, default=defaults.header_timeout_s,
+                   help="a request head must be complete this long after its first byte")
+    p.add_argument("--body-timeout-s", type=float, default=defaults.body_timeout_s,
+                   help="a request body must bring --body-min-rate bytes/s in every window of "
+                        "this many seconds (or end), else the connection is closed")
+    p.add_argument("--body-min-rate", type=int, default=defaults.body_min_rate,
+                   help="bytes per second (see --body-timeout-s)")
+    p.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes,
+                   help="request line + headers, 431 past it")
+    p.add_argument("--max-headers", type=int, default=defaults.max_headers,
+                   help="headers in one request, 431 past it")
     p.add_argument("--api-key", action="append", default=[],
                    help="a key clients send as 'Authorization: Bearer KEY' (repeatable; also "
                         "MESHLLM_API_KEYS, comma separated)")
@@ -48,7 +64,9 @@ def config_kwargs(args: argparse.Namespace) -> dict:
 def gateway_argv(args: argparse.Namespace) -> list[str]:
     """The security flags of `meshllm serve/up` (parsed by add_flags) as gateway flags."""
     argv: list[str] = []
-    for flag in ("--max-inflight-tokens", "--max-compression-ratio", "--api-key-file",
+    for flag in ("--max-inflight-tokens", "--max-compression-ratio", "--max-connections",
+                 "--keep-alive-timeout-s", "--header-timeout-s", "--body-timeout-s",
+                 "--body-min-rate", "--max-header-bytes", "--max-headers", "--api-key-file",
                  "--admin-api-key-file", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
                  "--ssl-client-auth"):
         value = getattr(args, flag[2:].replace("-", "_"), None)

@@ -26,7 +26,7 @@ from services.gateway.grpc.api import SERVICE_NAME, add_to_server
 from services.gateway.http.app import create_app
 from services.gateway.http.context import with_request_context
 from services.gateway import flags
-from services.gateway.guard import security
+from services.gateway.guard import connections, security
 from services.gateway.service import Gateway
 from services.gateway.clients import pool_metrics
 from services.gateway.clients.router import Router, RouterConfig
@@ -89,7 +89,7 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -98,7 +98,7 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise SystemExit(f"cannot bind HTTP address {host}:{port}: {err}")
-    sock.listen(2048)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -110,9 +110,10 @@ LOOP_STALL_S = 10.0
 class _Vitals:
     """What the health thread reads: plain attributes written by the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: connections.ConnectionLedger | None = None) -> None:
         self.ready, self.reason, self.stopping = False, "starting", False
         self.tick = time.monotonic()
+        self.ledger = ledger if ledger is not None else connections.ConnectionLedger(1 << 30)
 
     def verdict(self) -> tuple[bool, str]:
         if self.stopping:
@@ -120,6 +121,8 @@ class _Vitals:
         stalled = time.monotonic() - self.tick
         if stalled > LOOP_STALL_S:
             return False, f"event loop stalled for {stalled:.0f}s"
+        if self.ready and self.ledger.saturated:
+            return False, self.ledger.describe()
         return self.ready, self.reason
 
 
@@ -127,11 +130,13 @@ async def _readiness(gw: Gateway, health, vitals: _Vitals, log) -> None:
     last = None
     while True:
         gw.tokenizer_ready = await gw.tokenizer.is_ready()
-        state = (gw.ready, gw.tokenizer_ready, gw.engine.connected)
+        saturated = vitals.ledger.saturated
+        state = (gw.ready, gw.tokenizer_ready, gw.engine.connected, saturated)
         if state != last:
-            reason = ("ready" if gw.ready else "waiting for the tokenizer" if not gw.tokenizer_ready
-                      else f"waiting for an engine replica ({gw.engine.describe()})")
-            health.set_ready(gw.ready, reason)
+            reason = ("waiting for the tokenizer" if not gw.tokenizer_ready
+                      else f"waiting for an engine replica ({gw.engine.describe()})"
+                      if not gw.ready else vitals.ledger.describe() if saturated else "ready")
+            health.set_ready(gw.ready and not saturated, reason)
             vitals.ready, vitals.reason = gw.ready, reason
             log.info("readiness: %s", reason)
             last = state
@@ -145,8 +150,23 @@ async def _drain(engine: EnginePool, grace_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+def _connection_limits(config: GatewayConfig) -> connections.ConnectionLimits:
+    nofile = connections.raise_nofile_limit()  # the cap is kept well under the descriptor limit
+    try:
+        cap = connections.connection_cap(config.max_connections, nofile)
+    except ValueError as err:
+        raise SystemExit(str(err))
+    return connections.ConnectionLimits(
+        max_connections=cap, accept_backlog=connections.accept_backlog(nofile),
+        keep_alive_timeout_s=config.keep_alive_timeout_s,
+        header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+        body_min_rate=config.body_min_rate, max_header_bytes=config.max_header_bytes,
+        max_headers=config.max_headers)
+
+
 async def serve(config: GatewayConfig) -> int:
     log = setup_logging("gateway", config.log_level)
+    limits = _connection_limits(config)  # first: it may refuse to start
     creds = config.internal_tls.channel_credentials()  # None: plain internal channels
     tokenizer = TokenizerPool(config.tokenizer_addrs, config.tokenizer_timeout_s, credentials=creds)
     router = Router(RouterConfig(busy_ratio=config.route_busy_ratio,
@@ -165,15 +185,20 @@ async def serve(config: GatewayConfig) -> int:
     grpc_port = bind(server, f"{config.host}:{config.grpc_port}", sec.grpc_credentials())
     await server.start()
 
-    sock = _listen(config.host, config.port)
+    ledger = connections.ConnectionLedger(limits.max_connections)
+    connections.install_log_guards(asyncio.get_running_loop(), ledger)
+    sock = _listen(config.host, config.port, limits.accept_backlog)
     http_port = sock.getsockname()[1]
     uv = _Uvicorn(uvicorn.Config(sec.wrap_http(with_request_context(create_app(gw))),
+                                 http=connections.protocol_class(limits, ledger),
+                                 timeout_keep_alive=limits.keep_alive_timeout_s,
+                                 backlog=limits.accept_backlog,
                                  log_config=None, access_log=False, lifespan="off",
                                  timeout_graceful_shutdown=5, **sec.uvicorn_kwargs()))
     engine.start()
     if embedder is not None:
         embedder.start()
-    vitals = _Vitals()
+    vitals = _Vitals(ledger)
     health_server = None
     if config.health_port:
         health_server, hport = start_health_server(config.host, config.health_port, ["gateway", SERVICE_NAME],
@@ -193,7 +218,10 @@ async def serve(config: GatewayConfig) -> int:
     # The hard exit comes only after the grace period promised to in-flight requests.
     install_stop_handlers(asyncio.get_running_loop(), stop, hard_exit_after_s=config.shutdown_grace_s + 10)
     sec.install_reload(asyncio.get_running_loop())
-    log.info("security: %s", sec.describe())
+    log.info("security: %s; HTTP connections: at most %d, idle %gs, head %gs, body %d B/s per %gs, "
+             "head %d headers / %d bytes", sec.describe(), limits.max_connections,
+             limits.keep_alive_timeout_s, limits.header_timeout_s, limits.body_min_rate,
+             limits.body_timeout_s, limits.max_headers, limits.max_header_bytes)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([stopper, tasks[0]], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: %d requests in flight", engine.num_inflight)
