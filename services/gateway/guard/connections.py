@@ -204,27 +204,37 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self.conn.their_state is h11.IDLE:
-            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_too_slow)
         super().data_received(data)
+        # Still IDLE after parsing: a head has begun and not ended (a whole head never leaves
+        # the connection IDLE: its response comes later, from a task), so its deadline starts.
+        if self._head_timer is None and self.conn.their_state is h11.IDLE \
+                and not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_too_slow)
 
     def on_head(self, event: h11.Request) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
         limits = self.limits
-        size = len(event.method) + len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+        size = len(event.method) + len(event.target)
+        length = chunked = None
+        for name, value in event.headers:  # names are lowercase; h11 checked Content-Length is digits
+            size += len(name) + len(value) + 4
+            if name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                chunked = value
         if len(event.headers) > limits.max_headers or size > limits.max_header_bytes:
             self._refuse(431, f"the request head has {len(event.headers)} headers, {size} bytes "
                               f"(at most {limits.max_headers} headers, {limits.max_header_bytes} bytes)")
-        names = {k for k, _ in event.headers}
-        if b"content-length" in names and b"transfer-encoding" in names:
+        if length is not None and chunked is not None:
             self._refuse(400, "Content-Length and Transfer-Encoding in one request "
                               "(RFC 9112 section 6.1): the connection is closed")
         self.ledger.busy(self)
-        self.body_bytes = 0
         self.on_body_end()
-        self._body_timer = self.loop.call_later(limits.body_timeout_s, self._check_body)
+        if chunked is not None or (length is not None and length.lstrip(b"0")):
+            self.body_bytes = 0
+            self._body_timer = self.loop.call_later(limits.body_timeout_s, self._check_body)
 
     def on_body_end(self) -> None:
         if self._body_timer is not None:
