@@ -140,6 +140,7 @@ async def _readiness(gw: Gateway, health, vitals: _Vitals, log) -> None:
             vitals.ready, vitals.reason = gw.ready, reason
             log.info("readiness: %s", reason)
             last = state
+        vitals.ledger.flush_log()  # the refused / closed connections of the last 10 s, if any
         vitals.tick = time.monotonic()
         await asyncio.sleep(0.5)
 

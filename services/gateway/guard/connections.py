@@ -90,7 +90,7 @@ class ConnectionLedger:
         self._idle: OrderedDict = OrderedDict()   # evictable, oldest first
         self.totals: Counter = Counter()
         self._pending: Counter = Counter()
-        self._logged_at = -LOG_EVERY_S
+        self._logged_at = self._first_pending = -LOG_EVERY_S
 
     @property
     def saturated(self) -> bool:
@@ -129,12 +129,19 @@ class ConnectionLedger:
     def note(self, what: str) -> None:
         """Count an event; log the counts at most once per LOG_EVERY_S (a flood of refusals
         must not become a flood of log lines)."""
+        if not self._pending:
+            self._first_pending = time.monotonic()
         self.totals[what] += 1
         self._pending[what] += 1
+        self.flush_log()
+
+    def flush_log(self) -> None:
+        """Log the pending counts if the last line is LOG_EVERY_S old (also called on a timer,
+        so the counts of a flood that has stopped are still told)."""
         now = time.monotonic()
-        if now - self._logged_at >= LOG_EVERY_S:
+        if self._pending and now - self._logged_at >= LOG_EVERY_S:
             log.warning("HTTP connections in the last %.0fs: %s (open %d, limit %d)",
-                        min(now - self._logged_at, LOG_EVERY_S),
+                        now - self._first_pending,
                         ", ".join(f"{kind} {n}" for kind, n in sorted(self._pending.items())),
                         len(self._open), self.max_connections)
             self._pending.clear()
