@@ -3,7 +3,8 @@
 `--simulate-worker`), interleaved old, new, new, old, old, new, ... (the order flips every round, so
 a drift of the machine's load over the run weighs on both alike).
 
-  .venv/bin/python bench/compare_revisions.py [--old REV] [--new REV|worktree] [--rounds 2]
+  .venv/bin/python bench/compare_revisions.py [--old REV] [--new REV|worktree] [--rounds 4]
+                                              [--parts cpu_mesh,frontend] [--out FILE]
 
 Each revision runs from a git worktree of its own (protobuf code generated there), with this
 venv; `--new worktree` (the default) is the checkout this script lives in. The load generator is
@@ -107,7 +108,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--parts", default="cpu_mesh,frontend", help="which measurements: cpu_mesh, frontend")
+    ap.add_argument("--out", default="bench/results/compare_revisions.json")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     if a.model_dir is None:
         from services.models import prepare_model
         a.model_dir = str(prepare_model("smollm2"))
@@ -118,16 +122,20 @@ def main() -> int:
         for r in range(a.rounds):
             order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
             for name, tree in order:
-                cpu = run_in(tree, CPU_MESH.format(bench=str(ROOT / "bench"), model=a.model_dir,
-                                                   tokens=a.tokens, concurrency=a.concurrency))
-                runs[name]["cpu_mesh"].append(cpu)
-                fe = run_in(tree, FRONTEND.format(model=a.model_dir, prompts=a.prompts, loadgen=str(ROOT),
-                                                  result=str(tmp / f"{name}-{r}.json")))
-                runs[name]["frontend"].append(fe)
-                print(f"round {r} {name:3}: mesh 1 stream {cpu['single_decode_tok_s']:7.1f} tok/s, "
-                      f"{a.concurrency} streams {cpu['concurrent_tok_s']:7.1f} tok/s | frontend "
-                      f"{fe['output_throughput']:9.1f} tok/s {fe['request_throughput']:6.1f} req/s "
-                      f"(failed {fe['failed']})", flush=True)
+                line = f"round {r} {name:3}:"
+                if "cpu_mesh" in parts:
+                    cpu = run_in(tree, CPU_MESH.format(bench=str(ROOT / "bench"), model=a.model_dir,
+                                                       tokens=a.tokens, concurrency=a.concurrency))
+                    runs[name]["cpu_mesh"].append(cpu)
+                    line += (f" mesh 1 stream {cpu['single_decode_tok_s']:7.1f} tok/s, {a.concurrency} streams "
+                             f"{cpu['concurrent_tok_s']:7.1f} tok/s |")
+                if "frontend" in parts:
+                    fe = run_in(tree, FRONTEND.format(model=a.model_dir, prompts=a.prompts, loadgen=str(ROOT),
+                                                      result=str(tmp / f"{name}-{r}.json")))
+                    runs[name]["frontend"].append(fe)
+                    line += (f" frontend {fe['output_throughput']:9.1f} tok/s {fe['request_throughput']:6.1f} req/s "
+                             f"(failed {fe['failed']})")
+                print(line, flush=True)
     finally:
         for tree in trees.values():
             remove(tree)
@@ -136,8 +144,9 @@ def main() -> int:
     def med(name: str, part: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[name][part])
 
-    metrics = [("cpu_mesh", "single_decode_tok_s"), ("cpu_mesh", "concurrent_tok_s"),
-               ("frontend", "output_throughput"), ("frontend", "request_throughput")]
+    metrics = [(p, k) for p, k in (("cpu_mesh", "single_decode_tok_s"), ("cpu_mesh", "concurrent_tok_s"),
+                                   ("frontend", "output_throughput"), ("frontend", "request_throughput"))
+               if p in parts]
     medians = {n: {f"{p}.{k}": med(n, p, k) for p, k in metrics} for n in trees}
     ratios = {m: medians["new"][m] / medians["old"][m] for m in medians["new"]}
     res = {"schema": 1, "bench": "compare_revisions", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -147,7 +156,7 @@ def main() -> int:
            "workload": {"cpu_mesh": f"{a.concurrency} streams x {a.tokens} tokens, SmolLM2-135M on the CPU",
                         "frontend": f"simulated worker, {a.prompts} prompts, 256 concurrent, 32 in / 128 out"},
            "runs": runs, "medians": medians, "ratios_new_over_old": ratios}
-    out = ROOT / "bench" / "results" / "compare_revisions.json"
+    out = ROOT / a.out
     out.write_text(json.dumps(res, indent=2))
     for m, v in ratios.items():
         print(f"  {m:36} old {medians['old'][m]:10.1f}  new {medians['new'][m]:10.1f}  new/old {v:.3f}")
