@@ -5,9 +5,9 @@ matcher per request. Pure apart from llguidance (a Rust core; imported on first 
 from __future__ import annotations
 
 import json
-import re
 from functools import lru_cache
 
+from services.common.json_limits import json_depth_exceeds
 from services.common.sampling_rules import SamplingRuleError
 
 MAX_CONSTRAINT_BYTES = 64 * 1024     # schema / regex / grammar text, and all choices together
@@ -19,23 +19,6 @@ _ANY_OBJECT = '{"type": "object"}'
 # endless run: with unbounded whitespace a model can wander into spaces and newlines until
 # max_tokens (small and random-weight models do). A schema's own "x-guidance" options override it.
 _JSON_STYLE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
-
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def json_depth(text: str, limit: int) -> int:
-    """Bracket nesting of JSON text (brackets inside strings ignored), counted up to `limit` + 1:
-    checked before any parser recurses into it."""
-    data = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', text.encode()).translate(None, _NOT_BRACKETS)
-    depth = deepest = 0
-    for b in data:
-        depth += 1 if b in (0x5B, 0x7B) else -1
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                break
-    return deepest
-
 
 def kind_of(so) -> str:
     """"json_schema" | "json_object" | "regex" | "choice" | "grammar" (a set StructuredOutput)."""
@@ -67,7 +50,7 @@ def check_shape(so) -> None:
         raise SamplingRuleError(f"the {kind} constraint is {size} bytes; at most {MAX_CONSTRAINT_BYTES} "
                                 "are allowed", PARAM)
     if kind == "json_schema":
-        if json_depth(so.json_schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        if json_depth_exceeds(so.json_schema.encode(), MAX_SCHEMA_DEPTH):
             raise SamplingRuleError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels", PARAM)
         try:
             schema = json.loads(so.json_schema)

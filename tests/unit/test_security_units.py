@@ -14,7 +14,7 @@ import zstandard
 from services.gateway.guard.auth import ApiKeys, collect_keys
 from services.gateway.guard.body_guard import BodyRejected, read_bounded
 from services.gateway.errors import ApiError
-from services.gateway.openai.protocol import json_depth_exceeds
+from services.common.json_limits import json_depth_exceeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

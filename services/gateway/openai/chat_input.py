@@ -11,8 +11,8 @@ from typing import Any
 
 from services.gateway.errors import invalid
 from services.gateway.openai.chat_tools import plan_tools
-from services.gateway.openai.protocol import (MAX_JSON_DEPTH, MAX_TOOLS_DEPTH, MAX_TOOLS_JSON_BYTES,
-                                              json_depth_exceeds)
+from services.common.json_limits import json_depth_exceeds
+from services.gateway.openai.protocol import MAX_JSON_DEPTH, MAX_TOOLS_DEPTH, MAX_TOOLS_JSON_BYTES
 
 
 def _parse(text: str, param: str, kind: type, max_depth: int, max_bytes: int | None = None) -> Any:

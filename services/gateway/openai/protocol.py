@@ -10,12 +10,12 @@ shares, fed by `rule_options()`. Body-level limits (JSON depth, UTF-8) are in `p
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.common import pb
+from services.common.json_limits import json_depth_exceeds
 from services.common.sampling_rules import RequestOptions
 from services.gateway.errors import ApiError, invalid
 from services.gateway.guard.sampling import check_int32
@@ -375,25 +375,6 @@ def describe_validation_error(err: ValidationError) -> ApiError:
         path = ".".join(loc) if loc else "body"
         problems.append(f"{path}: {msg}")
     return invalid("; ".join(problems) or "invalid request", param)
-
-
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def json_depth_exceeds(body: bytes, max_depth: int) -> bool:
-    """Does the JSON text nest deeper than `max_depth`? (brackets inside strings ignored)"""
-    if body.count(b"[") + body.count(b"{") <= max_depth:
-        return False  # the common case: too few brackets to nest that deep
-    depth = 0
-    for b in _JSON_STRING.sub(b'""', body).translate(None, _NOT_BRACKETS):
-        if b in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > max_depth:
-                return True
-        else:
-            depth -= 1
-    return False
 
 
 def _depth(value: Any, limit: int) -> int:
