@@ -163,3 +163,18 @@ def test_the_scan_would_catch_the_known_patterns():
     for ok in ("torch.load(p, weights_only=True)", "yaml.safe_load(s)", "model.eval()",
                "yaml.load(s, Loader=yaml.SafeLoader)", "self.exec_step()"):
         assert not _UNSAFE.search(ok), ok
+
+
+def test_admin_keys_alone_leave_the_api_open_and_work_as_api_keys():
+    admin_only = ApiKeys([], ["admin-key-1234"])
+    assert not admin_only.enabled
+    admin_only.check(None, admin=False, where="t")                  # the API stays open
+    admin_only.check("Bearer admin-key-1234", admin=True, where="t")
+    with pytest.raises(ApiError) as info:
+        admin_only.check(None, admin=True, where="t")               # admin routes still need it
+    assert info.value.http_status == 401
+    both = ApiKeys(["user-key-1234"], ["admin-key-1234"])
+    assert both.enabled
+    both.check("Bearer admin-key-1234", admin=False, where="t")     # admin key as an API key
+    with pytest.raises(ApiError):
+        both.check(None, admin=False, where="t")

@@ -5,7 +5,8 @@ Keys come from `--api-key` (repeatable), `--api-key-file` (one per line, `#` com
 `--admin-api-key-file`, `MESHLLM_ADMIN_API_KEYS`). A request presents one as
 `Authorization: Bearer KEY` (HTTP) or `authorization: Bearer KEY` metadata (gRPC).
 
-- No keys configured: the API is open (the default for `make serve` on 127.0.0.1).
+- No API key configured: the API is open (the default for `make serve` on 127.0.0.1), even
+  when admin keys are configured (they guard the admin routes only).
 - Admin routes (`ADMIN_HTTP_PREFIXES`, gRPC methods in `ADMIN_GRPC_METHODS`) need an admin
   key; an admin key also works for ordinary routes. With no admin key configured, admin
   routes are refused (403), never open.
@@ -73,7 +74,9 @@ class ApiKeys:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys or self._admin)
+        """Whether the ordinary API needs a key: only API keys close it (admin keys alone guard
+        the admin routes, docs/security.md)."""
+        return bool(self._keys)
 
     @staticmethod
     def _match(presented: bytes, digests: list[bytes]) -> bool:
