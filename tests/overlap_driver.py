@@ -35,12 +35,17 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, executor=None, depth=None):
+def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, executor=None, depth=None,
+        tokenizer_path=None, watch=None):
     """Drive the runner with the scheduler core, `depth` plans in flight (default: 2 with overlap,
     else 1) in the engine's order (submit N+1, then collect N). Without overlap the runner reads
-    every step's tokens at its submit. -> (outputs, logprobs, scheduler, most unresolved steps)."""
-    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=num_blocks, block_size=BLOCK)
+    every step's tokens at its submit. `watch(runner)` may wrap the runner's methods to observe it.
+    -> (outputs, logprobs, scheduler, most unresolved steps)."""
+    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=num_blocks, block_size=BLOCK,
+                         tokenizer_path=tokenizer_path)
     info = runner.hello(BLOCK)
+    if watch is not None:
+        watch(runner)
     if executor is not None:
         runner.gpu = executor(runner)
     runner.overlap = overlap

@@ -44,6 +44,7 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
                          enforce_eager=cfg.enforce_eager, kv_cache_dtype=cfg.kv_torch_dtype,
                          seed_rng=tp.seed_rng if tp is not None else None,
                          tokenizer_path=os.path.join(cfg.model, "tokenizer.json"))
+    runner.constraints.warm()   # structured outputs' tokenizer, built in the background now
     if cfg.overlap_steps != "auto":
         runner.overlap = cfg.overlap_steps == "on"
     if tp is not None:

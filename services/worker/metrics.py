@@ -20,6 +20,9 @@ SAMPLED = Counter(PREFIX + "worker_sampled_tokens_total", "tokens sampled", _LAB
 MATCHER_BUILD = Histogram(PREFIX + "worker_structured_matcher_build_seconds",
                           "time to build one grammar matcher (a grammar not in the template cache)",
                           ["model_name"], buckets=STEP_LATENCY_BUCKETS)
+GRAMMAR_CACHE = Counter(PREFIX + "worker_structured_grammar_cache_total",
+                        "constrained requests whose grammar was already built (hit) or was compiled (miss)",
+                        ["model_name", "result"])
 MASK_PER_ROW = Histogram(PREFIX + "worker_structured_mask_seconds_per_row",
                          "host time to compute one constrained row's token mask, averaged over a step",
                          ["model_name"], buckets=STEP_LATENCY_BUCKETS)

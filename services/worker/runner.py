@@ -12,14 +12,15 @@ its sampled tokens and builds the StepResult. The engine submits step N+1 (which
 scheduler's async scheduling already sent) before collecting step N, so the host prepares and
 launches N+1 while the GPU still runs N. A token sampled by a step not yet collected is
 "pending": the next step's input for it comes from the device buffer the sampler wrote
-(GpuExecutor.prev_tokens), never from the host. Rows that need the host value of a pending token
-(repetition / frequency / presence penalties read the token history) make submit collect the
-earlier step first. On the CPU (`overlap` False) every submit finishes its step: the same code,
-with nothing to overlap.
+(GpuExecutor.prev_tokens), never from the host. On the CPU (`overlap` False) every submit
+finishes its step: the same code, with nothing to overlap.
 
-Structured outputs (structured.py): a grammar mask depends on every token sampled, so constrained
-rows count as penalised ones: the known cost of this slice is one added host/device sync for each
-overlapped GPU step holding a constrained request (other steps keep their overlap).
+Rows whose sampling reads the host value of a pending token (repetition / frequency / presence
+penalties read the token history; a structured-output mask (structured.py) depends on every token
+sampled) need step N's tokens before step N+1 samples, but not before it runs its forward, whose
+inputs come from the device. So submit launches N+1's forward first, then reads N's tokens (the
+GPU is busy with N+1's forward meanwhile), computes the masks on the host, and only then enqueues
+N+1's sampling: no bubble as long as the masks take less time than the forward.
 """
 from __future__ import annotations
 
@@ -274,10 +275,10 @@ class ModelRunner:
             return PendingStep(plan.step_id, [], [], None, t0,
                                result=StepResult.failed(plan.step_id, INVALID_ARGUMENT, str(exc)))
         try:
-            # Inputs may point at the latest submitted step's samples only: older ones, and that
-            # one too when the host needs its tokens (or there is no overlap), are read first.
-            keep = self.overlap and not self._needs_host_tokens(plan)
-            for p in list(self._unresolved[:-1] if keep else self._unresolved):
+            # Inputs may point at the latest submitted step's samples only: older ones (and that
+            # one too without overlap) are read first. Rows that sample from host token values
+            # read it after the forward is launched (_launch).
+            for p in list(self._unresolved[:-1] if self.overlap else self._unresolved):
                 self._resolve(p)
             scheduled = self._apply(plan)
             if not scheduled:   # only finished_ids: nothing to run
@@ -316,13 +317,12 @@ class ModelRunner:
         """Would collect(step) return without waiting for the device?"""
         return step.handle is None or step not in self._unresolved or step.handle.ready()
 
-    def _needs_host_tokens(self, plan: StepPlan) -> bool:
-        """Penalties and grammar masks read the token history: a pending token must reach the host first."""
-        for r in plan.cached_requests:
-            state = self.requests.get(r.request_id)
-            if state is not None and state.num_pending and (state.sampling.has_penalties or state.matcher):
-                return True
-        return False
+    @staticmethod
+    def _needs_host_tokens(sampling_seqs: list[_Scheduled]) -> bool:
+        """Penalties and grammar masks read the token history: a pending token must reach the host
+        before the row samples."""
+        return any(s.state.num_pending and (s.state.sampling.has_penalties or s.state.matcher is not None)
+                   for s in sampling_seqs)
 
     def _resolve(self, step: PendingStep) -> None:
         """Read a step's sampled tokens into the requests' host state (waits for the device)."""
@@ -384,6 +384,9 @@ class ModelRunner:
             logits = self.gpu.run(ids, positions, seqs, sample_rows, src if any_src else None)  # [N, V]
         else:
             logits = self._forward_reference(ids, positions, seqs, sample_rows, src if any_src else None)
+        if self._unresolved and self._needs_host_tokens(sampling_seqs):
+            # While the device runs this forward: the previous step's tokens reach the host.
+            self._resolve_all()
         for s in order:
             s.state.num_computed_tokens = s.end
         handle = None

@@ -4,9 +4,16 @@ token the request samples, and per step the token bitmasks of the constrained sa
 The gateway validated each constraint (services/common/structured.check) and the wire turned it
 into grammar text (SamplingConfig.structured); here it becomes a matcher over the model's
 tokenizer. Costs measured on the CPU with SmolLM2's tokenizer (49152 tokens): the LLTokenizer
-0.2 s (built on the first constrained request, once per runner), a matcher 0.4-0.8 ms for a small
-JSON schema, a deep copy of a built one 0.5 us (hence the LRU of templates), a mask 0.01-0.1 ms
-per row once warm (1.3 ms for the first mask of a matcher).
+0.2 s (built at start-up by `warm`), a matcher 0.4-0.8 ms for a small JSON schema, a deep copy of
+a built one 0.5 us (hence the LRU of templates), a mask 0.01-0.1 ms per row once warm (1.3 ms for
+the first mask of a matcher).
+
+Off the engine loop: the tokenizer and every matcher are built on one background thread (which
+alone touches the template cache). `start` only enqueues the build; the engine thread waits for
+it when the request first samples, so a prompt's prefill forward (and every chunk of a chunked
+one) runs while its grammar compiles. The build is bounded by the parser limits
+(services/common/structured.parser_limits) and the wait by BUILD_WAIT_S. Masks of several rows
+are filled in parallel by llguidance's executor (Rust threads, no GIL).
 
 A request whose constraint cannot be enforced (the grammar does not build, the tokenizer is
 missing, or the matcher refused a sampled token) is ended cleanly: its mask allows only EOS, so
@@ -20,7 +27,10 @@ tokenizer's (a padded embedding): sampling.py masks the columns past 32 * W too.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
 
@@ -28,22 +38,47 @@ import numpy as np
 import torch
 
 from services.common.structured import parser_limits
-from services.worker.metrics import MASK_PER_ROW, MATCHER_BUILD
+from services.worker.metrics import GRAMMAR_CACHE, MASK_PER_ROW, MATCHER_BUILD
 from services.worker.sampling import SampleRow
 
 log = logging.getLogger(__name__)
 
 TEMPLATE_CACHE_SIZE = 64   # recent grammars kept built: a repeated schema costs a deep copy only
+BUILD_WAIT_S = 10.0        # longest a sampling step waits for a matcher still compiling
+PARALLEL_MIN_ROWS = 4      # fewer constrained rows: fill their masks on this thread
 
 
 class RequestMatcher:
-    """One constrained request's grammar state, in step with the tokens it has sampled."""
+    """One constrained request's grammar state, in step with the tokens it has sampled. Its
+    matcher may still be compiling (`_build`): every use waits for it first."""
 
-    __slots__ = ("request_id", "kind", "matcher", "failed")
+    __slots__ = ("request_id", "kind", "_matcher", "_build", "failed")
 
-    def __init__(self, request_id: str, kind: str, matcher) -> None:
-        self.request_id, self.kind, self.matcher = request_id, kind, matcher
-        self.failed = matcher is None
+    def __init__(self, request_id: str, kind: str, matcher=None,
+                 build: concurrent.futures.Future | None = None) -> None:
+        self.request_id, self.kind, self._matcher, self._build = request_id, kind, matcher, build
+        self.failed = matcher is None and build is None
+
+    @property
+    def matcher(self):
+        """The llguidance matcher (waits for its build); None once failed."""
+        if self._build is not None:
+            build, self._build = self._build, None
+            try:
+                self._matcher = build.result(timeout=BUILD_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                self._matcher = None
+                self.fail(f"did not compile within {BUILD_WAIT_S:.0f} s")
+            except Exception as exc:  # noqa: BLE001 - the build job logs nothing itself
+                self._matcher = None
+                self.fail(f"failed to build ({type(exc).__name__})")
+            if self._matcher is None:
+                self.failed = True
+        return None if self.failed else self._matcher
+
+    @property
+    def ready(self) -> bool:
+        return self._build is None or self._build.done()
 
     def fail(self, why: str) -> None:
         if not self.failed:
@@ -52,18 +87,20 @@ class RequestMatcher:
                         self.kind, why)
 
     def consume(self, token_id: int) -> None:
-        if self.failed:
+        m = self.matcher
+        if m is None:
             return
-        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+        if not m.consume_token(token_id) or m.is_error():
             self.fail("refused a sampled token")
 
 
 class Constraints:
-    """A runner's structured-output state: the tokenizer (lazy) and the template LRU."""
+    """A runner's structured-output state: the tokenizer, the template LRU and the build thread."""
 
     def __init__(self, tokenizer_path: str | None, eos_token_ids: tuple[int, ...], vocab_size: int,
                  model_name: str = "", cache_size: int = TEMPLATE_CACHE_SIZE) -> None:
         self._build_hist, self._mask_hist = MATCHER_BUILD.labels(model_name), MASK_PER_ROW.labels(model_name)
+        self._hits, self._misses = GRAMMAR_CACHE.labels(model_name, "hit"), GRAMMAR_CACHE.labels(model_name, "miss")
         self.tokenizer_path, self.eos_token_ids = tokenizer_path, tuple(eos_token_ids)
         self.vocab_size = vocab_size      # the model's: sizes the EOS-only masks if no tokenizer builds
         self.cache_size = cache_size
@@ -71,11 +108,26 @@ class Constraints:
         self._tokenizer_failed = False
         self._templates: OrderedDict[str, object] = OrderedDict()   # grammar text -> built matcher
         self._eos_bits: np.ndarray | None = None                    # uint32 [W]: the EOS-only mask
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._executor = None             # llguidance's LLExecutor, for masks of many rows
         self.build_s = 0.0        # time spent building matchers (not copies), for metrics / tests
         self.mask_s = 0.0         # time spent filling masks
+        self.cache_hits = 0
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
+            return self._pool.submit(fn, *args)
+
+    def warm(self) -> concurrent.futures.Future:
+        """Build the tokenizer in the background now (start-up), not at the first constrained request."""
+        return self._submit(self.tokenizer)
 
     def tokenizer(self):
-        """The LLTokenizer over the model's tokenizer.json, built once; None if it cannot be."""
+        """The LLTokenizer over the model's tokenizer.json, built once; None if it cannot be.
+        Build-thread only (the engine thread reads `_tokenizer` once a build it waited for is done)."""
         if self._tokenizer is None and not self._tokenizer_failed:
             try:
                 from llguidance import LLTokenizer
@@ -99,6 +151,8 @@ class Constraints:
         """A built matcher of `grammar` (cached, never fed tokens), or None if it does not build."""
         if grammar in self._templates:
             self._templates.move_to_end(grammar)
+            self.cache_hits += 1
+            self._hits.inc()
             return self._templates[grammar]
         from llguidance import LLMatcher
         t0 = time.perf_counter()
@@ -110,33 +164,52 @@ class Constraints:
         took = time.perf_counter() - t0
         self.build_s += took
         self._build_hist.observe(took)
+        self._misses.inc()
         self._templates[grammar] = m
         if len(self._templates) > self.cache_size:
             self._templates.popitem(last=False)
         return m
 
-    def start(self, request_id: str, structured: tuple[str, str], outputs: list[int]) -> RequestMatcher:
-        """The matcher of a new request, fed its earlier outputs (a request resumed after a
-        preemption comes back with them). Never raises: a failed one only ends its request."""
-        kind, grammar = structured
-        if not grammar or self.tokenizer() is None:
-            rm = RequestMatcher(request_id, kind, None)
+    def _build(self, request_id: str, kind: str, grammar: str, outputs: list[int]):
+        """Build-thread job: the request's own matcher, fed its earlier outputs; None if it fails."""
+        if self.tokenizer() is None:
             log.warning("request %s: structured output (%s) cannot be enforced; ending it with EOS",
                         request_id, kind)
-            return rm
+            return None
         template = self._template(grammar)
-        rm = RequestMatcher(request_id, kind, template.deep_copy() if template is not None else None)
         if template is None:
             log.warning("request %s: structured output (%s) grammar does not build; ending it with EOS",
                         request_id, kind)
-        for t in outputs:
-            rm.consume(t)
-        return rm
+            return None
+        m = template.deep_copy()
+        for t in outputs:   # a request resumed after a preemption comes back with them
+            if not m.consume_token(t) or m.is_error():
+                log.warning("request %s: structured output (%s) refused a resumed token; ending it with EOS",
+                            request_id, kind)
+                return None
+        return m
+
+    def start(self, request_id: str, structured: tuple[str, str], outputs: list[int]) -> RequestMatcher:
+        """The matcher of a new request, compiling in the background. Never raises: a failed one
+        only ends its request."""
+        kind, grammar = structured
+        if not grammar:
+            log.warning("request %s: structured output (%s) has no grammar; ending it with EOS", request_id, kind)
+            return RequestMatcher(request_id, kind)
+        return RequestMatcher(request_id, kind, build=self._submit(self._build, request_id, kind, grammar,
+                                                                   list(outputs)))
+
+    def _parallel_executor(self):
+        if self._executor is None:
+            from llguidance import LLExecutor
+            self._executor = LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._executor
 
     def prepare(self, rows: list[SampleRow], matchers: list[RequestMatcher | None]) -> torch.Tensor | None:
         """The bitmask int32 [k, W] (host) of one step's k constrained sampling rows, in row order;
         sets their `mask_row` and `grammar_stops`. None: no row is constrained. Each matcher has
-        consumed every token of its request (the runner reads constrained rows' tokens first)."""
+        consumed every token of its request (the runner reads constrained rows' tokens first);
+        one still compiling is waited for."""
         k = 0
         for row, m in zip(rows, matchers):
             if m is not None:
@@ -145,16 +218,21 @@ class Constraints:
             return None
         import llguidance.torch as lt
         t0 = time.perf_counter()
+        live = [(m.matcher, row.mask_row) for row, m in zip(rows, matchers) if m is not None]
+        live = [(mm, r) for mm, r in live if mm is not None]
         bitmask = torch.zeros(k, self.width, dtype=torch.int32)   # [k, W]
         words = bitmask.numpy().view(np.uint32)                  # the same memory, bit 31 unsigned
+        if len(live) >= PARALLEL_MIN_ROWS:
+            lt.fill_next_token_bitmask_par(self._parallel_executor(), live, bitmask)
+        else:
+            for mm, r in live:
+                lt.fill_next_token_bitmask(mm, bitmask, r)
         for row, m in zip(rows, matchers):
             if m is None:
                 continue
             r = row.mask_row
-            if not m.failed:
-                lt.fill_next_token_bitmask(m.matcher, bitmask, r)
-                if m.matcher.is_error():     # computing the mask can fail too (parser limits)
-                    m.fail("failed computing its mask")
+            if not m.failed and m.matcher.is_error():     # computing the mask can fail too (parser limits)
+                m.fail("failed computing its mask")
             if m.failed:
                 words[r] = self._eos_only()
             cfg = row.cfg

@@ -57,14 +57,30 @@ def test_all_greedy_batches_keep_each_steps_own_tokens(model):
     assert got == want and depth == 2
 
 
-def test_penalties_make_the_runner_read_the_pending_token_first(model):
-    """A penalised request needs its full history on the host: no two steps stay unresolved."""
+def forward_watch(seen: list[int]):
+    """Records, at each reference forward, how many earlier steps' tokens are still unread."""
+    def watch(runner):
+        forward = runner._forward_reference
+
+        def spy(*args):
+            seen.append(runner.num_unresolved)
+            return forward(*args)
+        runner._forward_reference = spy
+    return watch
+
+
+def test_penalties_read_the_pending_token_after_the_forward_is_launched(model):
+    """A penalised request needs its full history on the host before it samples, not before its
+    forward runs: the previous step is still unread when the next forward starts, and read before
+    the next step returns (no two steps stay unresolved)."""
     ps = prompts(3)
     sps = [pb.common.SamplingParams(presence_penalty=1.5, ignore_eos=True)] * 3
     want, _, _, _ = run(model, ps, sps, overlap=False)
-    got, _, _, depth = run(model, ps, sps, overlap=True)
+    unread: list[int] = []
+    got, _, _, depth = run(model, ps, sps, overlap=True, watch=forward_watch(unread))
     assert got == want
     assert depth == 1
+    assert max(unread) == 1, "each decode forward should start before the previous step's tokens are read"
 
 
 def test_overlap_survives_preemption(model):

@@ -164,3 +164,58 @@ def test_matcher_builds_and_masks_are_measured(runner, smol):
     out = run(runner, tok, {"j": ("JSON:", sampling(json_schema=json.dumps(schema)))})
     assert count("meshllm:worker_structured_matcher_build_seconds") == before[0] + 1
     assert count("meshllm:worker_structured_mask_seconds_per_row") == before[1] + len(out["j"])
+
+
+def test_overlapped_steps_give_the_synchronous_constrained_tokens(smol, smollm2_dir):
+    """The engine's pipelined order (submit N+1, then collect N) with grammar masks: the next
+    forward starts before the previous step's tokens are read (no added sync), the masks are
+    computed after, and the tokens are exactly the synchronous runner's."""
+    from tests.overlap_driver import prompts, run as run_pipelined
+    from tests.unit.test_worker_overlap import forward_watch
+    schema = sampling(json_schema=json.dumps(SCHEMA))
+    regex = sampling(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}")
+    penalised = sampling(json_object=True)
+    penalised.repetition_penalty = 1.2
+    free = pb.common.SamplingParams(temperature=0.8, seed=4)
+    sps = [schema, regex, penalised, free]
+    for sp in sps:
+        sp.ignore_eos = True
+    ps = prompts(4, 49152)
+    path = str(smollm2_dir / "tokenizer.json")
+    want, _, _, _ = run_pipelined(smol[0], ps, sps, overlap=False, tokenizer_path=path)
+    unread: list[int] = []
+    got, _, _, _ = run_pipelined(smol[0], ps, sps, overlap=True, tokenizer_path=path, watch=forward_watch(unread))
+    assert got == want
+    assert max(unread) == 1, "a constrained decode forward should not wait for the previous step's tokens"
+    assert re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}", smol[1].decode([t for t in got["r1"] if t != EOS]))
+
+
+def test_grammars_compile_on_the_build_thread_and_a_stuck_build_ends_only_its_request(smollm2_dir, monkeypatch):
+    """start() only enqueues the build (the engine thread goes on); the first use waits for it,
+    at most BUILD_WAIT_S; a repeated grammar is a cache hit."""
+    import threading
+
+    from prometheus_client import REGISTRY
+
+    from services.common import structured as common
+    from services.worker import structured as worker_structured
+    cons = worker_structured.Constraints(str(smollm2_dir / "tokenizer.json"), (EOS,), 49152, model_name="build")
+    cons.warm().result(timeout=30)
+    grammar = ("json_schema", common.grammar_of(pb.common.StructuredOutput(json_schema=json.dumps(SCHEMA))))
+    gate = threading.Event()
+    cons._submit(gate.wait)                              # the build thread is busy
+    rm = cons.start("a", grammar, [])
+    assert not rm.ready, "start() must not build on the calling thread"
+    gate.set()
+    assert rm.matcher is not None and not rm.failed
+    hits = lambda: REGISTRY.get_sample_value("meshllm:worker_structured_grammar_cache_total",  # noqa: E731
+                                             {"model_name": "build", "result": "hit"}) or 0.0
+    before = hits()
+    assert cons.start("b", grammar, []).matcher is not None
+    assert hits() == before + 1 and cons.cache_hits == 1
+    monkeypatch.setattr(worker_structured, "BUILD_WAIT_S", 0.05)
+    gate.clear()
+    cons._submit(gate.wait)
+    stuck = cons.start("c", grammar, [])
+    assert stuck.matcher is None and stuck.failed, "a build past the bound ends its request (EOS mask)"
+    gate.set()
