@@ -30,6 +30,8 @@ log = logging.getLogger("meshllm.gateway.auth")
 # /metrics: Prometheus scrapes it without a key (it holds counts, never request data).
 OPEN_HTTP_PATHS = frozenset({"/health", "/ping", "/metrics"})
 ADMIN_HTTP_PREFIXES = ("/admin/", "/profile/", "/drain", "/reset_prefix_cache")
+# Anthropic's Messages API (http/messages.py) presents its key as `x-api-key: KEY`.
+X_API_KEY_PREFIXES = ("/v1/messages",)
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/meshllm.v1.Status/")
 # Changing trace sampling is an admin action on the public port (internal ports are reached
 # only by the mesh itself, the profiler among them).
@@ -157,6 +159,8 @@ class ApiKeyAuth:
             if k == b"authorization":
                 auth = v
                 break
+            if k == b"x-api-key" and path.startswith(X_API_KEY_PREFIXES):
+                auth = b"Bearer " + v   # Anthropic's header; Authorization wins when both come
         client = scope.get("client") or ("-", 0)
         try:
             self.keys.check(auth, admin, f"{scope.get('method')} {path}", f"{client[0]}")
