@@ -68,6 +68,8 @@ def held_prefix_len(buf: str, tag: str) -> int:
 class ReasoningParser:
     """Splits raw output into (reasoning, rest). Subclasses implement the three methods."""
 
+    needs_special_tokens = False
+
     def feed(self, text: str) -> tuple[str, str]:
         raise NotImplementedError
 
@@ -81,10 +83,16 @@ class ReasoningParser:
 class ToolParser:
     """Splits (non-reasoning) output into content and tool calls."""
 
+    # The parser's markers are special tokens: the text it reads must keep them
+    # (skip_special_tokens off for the requests it parses).
+    needs_special_tokens = False
+
     def __init__(self, allowed_names: set[str] | None = None,
-                 id_factory: Callable[[], str] = new_tool_call_id) -> None:
+                 id_factory: Callable[[], str] = new_tool_call_id,
+                 schemas: dict[str, Any] | None = None) -> None:
         self.allowed_names = allowed_names
         self.new_id = id_factory
+        self.schemas = schemas or {}   # tool name -> its `parameters` JSON Schema (XML formats)
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:

@@ -1,166 +1,172 @@
-"""Tool-call parsers: Hermes / Qwen `<tool_call>{json}</tool_call>` and Llama-3 JSON.
+"""JSON tool calls: Hermes / Qwen `<tool_call>{json}</tool_call>` and Llama-3 JSON.
 
-A call is emitted when it is complete (id and name in one fragment, the arguments in the
-next), never guessed from half a JSON object. A call whose JSON is malformed, lacks a
-name, or names a function the request did not allow stays in the content, verbatim."""
+A call whose head `{"name": "NAME", "arguments": {` has been read (NAME allowed) is committed
+and its arguments stream as they are generated, verbatim. Any other shape (arguments first,
+arguments as a string, a name the request did not allow, broken JSON) is read whole and decided
+then: a well-formed call (`call_from_json`) is emitted in one piece, anything else stays in the
+content verbatim."""
 from __future__ import annotations
 
-import json
-
-from services.gateway.parsers.base import ToolCall, ToolCallDelta, ToolParser, held_prefix_len
+from services.gateway.parsers.base import held_prefix_len
+from services.gateway.parsers.json_scan import NO, PARTIAL, Header, ObjectScanner, match_call_header
+from services.gateway.parsers.streaming import StreamingToolParser, json_or_none
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+WAIT, DONE, REJECT = "wait", "done", "reject"
 
 
-def _json_or_none(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+class JsonCallReader:
+    """Reads one call object at the start of `parser.buf`, streaming its arguments."""
 
+    def __init__(self, parser: StreamingToolParser, arg_keys: tuple[str, ...]) -> None:
+        self.parser, self.arg_keys = parser, arg_keys
+        self.state = "head"
+        self.scanner = ObjectScanner()
 
-class HermesToolParser(ToolParser):
-    """Content is everything outside well-formed calls. Whitespace that only separates
-    calls (or trails the output when there were calls) is dropped, as OpenAI does."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._in_call = False
-        self._buf = ""       # undecided text: a partial "<tool_call>" or a call's body
-        self._ws = ""        # whitespace held until we know whether content follows
-
-    def _content(self, text: str) -> str:
-        """Emit `text` as content, holding its trailing whitespace back."""
-        text = self._ws + text
-        body = text.rstrip()
-        self._ws = text[len(body):]
-        return body
-
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buf += text
-        content, calls = "", []
-        while True:
-            if not self._in_call:
-                start = self._buf.find(OPEN)
-                if start < 0:
-                    keep = held_prefix_len(self._buf, OPEN)
-                    content += self._content(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    return content, calls
-                content += self._content(self._buf[:start])
-                self._buf, self._in_call = self._buf[start + len(OPEN):], True
-            end = self._buf.find(CLOSE)
+    def step(self, final: bool) -> str:
+        """WAIT (need more text), DONE (the object was read) or REJECT (not a streamable call:
+        nothing was consumed)."""
+        p = self.parser
+        if self.state == "head":
+            head = match_call_header(p.buf, self.arg_keys)
+            if head == PARTIAL and not final:
+                return WAIT
+            if head in (PARTIAL, NO) or not p.allowed(head.name):
+                return REJECT
+            assert isinstance(head, Header)
+            p.open_call(head.name)
+            p.emit_args(p.take(head.end)[-1])   # the `{` that opens the arguments
+            self.state = "args"
+        if self.state == "args":
+            end = self.scanner.scan(p.buf)
+            p.emit_args(p.take(len(p.buf) if end < 0 else end))
             if end < 0:
-                return content, calls
-            body, self._buf, self._in_call = self._buf[:end], self._buf[end + len(CLOSE):], False
-            call = self.call_from_json(_json_or_none(body))
-            if call is None:
-                content += self._content(OPEN + body + CLOSE)
-            else:
-                self._ws = ""
-                calls += self.emit_call(*call)
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        buf, self._buf = self._buf, ""
-        content, calls = "", []
-        if self._in_call:  # the output ended inside a call (EOS instead of </tool_call>)
-            self._in_call = False
-            call = self.call_from_json(_json_or_none(buf))
-            if call is None:
-                content = self._content(OPEN + buf)
-            else:
-                self._ws = ""
-                calls = self.emit_call(*call)
-        else:
-            content = self._content(buf)
-        if not self.num_calls:
-            content += self._ws
-        self._ws = ""
-        return content, calls
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        segments, calls, pos = [], [], 0
-        text_start = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                break
-            end = text.find(CLOSE, start + len(OPEN))
-            body = text[start + len(OPEN):] if end < 0 else text[start + len(OPEN):end]
-            call = self.call_from_json(_json_or_none(body))
-            if end < 0 and call is None:
-                break
-            stop = len(text) if end < 0 else end + len(CLOSE)
-            if call is not None:
-                segments.append(text[text_start:start].rstrip())
-                calls.append(ToolCall(self.new_id(), *call))
-                text_start = stop
-            pos = stop
-        tail = text[text_start:]
-        segments.append(tail.rstrip() if calls else tail)
-        self.num_calls = len(calls)
-        return "".join(segments), calls
+                return DONE if final else WAIT
+            p.close_call()
+            self.state, self.scanner = "outer", ObjectScanner()
+        end = self.scanner.scan(p.buf)          # the rest of the call object (its closing brace)
+        p.take(len(p.buf) if end < 0 else end)
+        return DONE if end >= 0 or final else WAIT
 
 
-class Llama3JsonToolParser(ToolParser):
-    """Llama 3.x JSON calls: the whole output is `{"name": ..., "parameters": {...}}`
-    (several separated by `;`), optionally after `<|python_tag|>`. Output that starts with
-    `{` is held to the end (it is calls only if all of it parses); other output streams as
-    content at once."""
+def read_whole_object(parser: StreamingToolParser, final: bool) -> tuple[str, str | None]:
+    """For a call that cannot stream: (WAIT, None) until the JSON value at the start of the
+    buffer is complete, then (DONE, None) with the call emitted whole, or (REJECT, text) with
+    the value's text taken out of the buffer (it is content)."""
+    scanner = ObjectScanner(depth=0)
+    end = scanner.scan(parser.buf)
+    if end < 0 and not final:
+        return WAIT, None
+    text = parser.take(len(parser.buf) if end < 0 else end)
+    call = parser.call_from_json(json_or_none(text)) if end >= 0 else None
+    if call is None:
+        return REJECT, text
+    parser.emit_whole_call(*call)
+    return DONE, None
+
+
+class HermesToolParser(StreamingToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with content
+    around them. Text after a streamed call's object, up to `</tool_call>`, is dropped."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._mode = "start"   # start -> json (held to the end) | text
-        self._buf = ""
+        self.state = "text"      # text -> call (streamed) -> tail -> text | text -> body -> text
+        self.reader: JsonCallReader | None = None
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buf += text
-        if self._mode == "start":
-            head = self._buf.lstrip()
-            if head.startswith("{") or head.startswith(PYTHON_TAG):
-                self._mode = "json"
-            elif PYTHON_TAG.startswith(head):
-                return "", []
-            else:
-                self._mode = "text"
-        if self._mode == "json":
-            return "", []
-        out, self._buf = self._buf, ""
-        return out, []
+    def advance(self, final: bool) -> None:
+        while True:
+            if self.state == "text":
+                start = self.buf.find(OPEN)
+                if start < 0:
+                    keep = 0 if final else held_prefix_len(self.buf, OPEN)
+                    self.emit_content(self.take(len(self.buf) - keep))
+                    return
+                self.emit_content(self.take(start))
+                self.take(len(OPEN))
+                self.state, self.reader = "call", JsonCallReader(self, ("arguments", "parameters"))
+            if self.state == "call":
+                step = self.reader.step(final)
+                if step == WAIT:
+                    return
+                self.state = "tail" if step == DONE else "body"
+            if self.state == "tail":
+                end = self.buf.find(CLOSE)
+                if end < 0:
+                    keep = 0 if final else held_prefix_len(self.buf, CLOSE)
+                    self.take(len(self.buf) - keep)
+                    return
+                self.take(end + len(CLOSE))
+                self.state = "text"
+            if self.state == "body":          # not streamable: decided once the call is closed
+                end = self.buf.find(CLOSE)
+                if end < 0 and not final:
+                    return
+                body = self.take(len(self.buf) if end < 0 else end)
+                closing = self.take(len(CLOSE)) if end >= 0 else ""
+                call = self.call_from_json(json_or_none(body))
+                if call is None:
+                    self.emit_content(OPEN + body + closing)
+                else:
+                    self.emit_whole_call(*call)
+                self.state = "text"
+                if end < 0:
+                    return
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        buf, self._buf = self._buf, ""
-        if self._mode != "json":
-            return buf, []
-        calls = self._calls(buf)
-        if calls is None:
-            return buf, []
-        return "", [d for name, args in calls for d in self.emit_call(name, args)]
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls = self._calls(text)
-        if calls is None:
-            return text, []
-        self.num_calls = len(calls)
-        return "", [ToolCall(self.new_id(), name, args) for name, args in calls]
+class Llama3JsonToolParser(StreamingToolParser):
+    """Llama 3.x JSON calls: the output is `{"name": ..., "parameters": {...}}` (several
+    separated by `;`), optionally after `<|python_tag|>`. Output that does not start with a
+    call is content, all of it; text after the calls is content too."""
 
-    def _calls(self, text: str) -> list[tuple[str, str]] | None:
-        body = text.strip()
-        if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):].lstrip()
-        if not body.startswith("{"):
-            return None
-        decoder, calls, pos = json.JSONDecoder(), [], 0
-        while pos < len(body):
-            try:
-                obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
-                return None
-            call = self.call_from_json(obj)
-            if call is None:
-                return None
-            calls.append(call)
-            while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
-                pos += 1
-        return calls
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.state = "start"     # start -> call -> between -> call ... | content
+        self.prefix = ""         # a <|python_tag|> that is content unless a call follows
+        self.reader: JsonCallReader | None = None
+
+    def _to_content(self, text: str = "") -> None:
+        self.emit_content(self.prefix + text)
+        self.prefix, self.state = "", "content"
+
+    def advance(self, final: bool) -> None:
+        while True:
+            if self.state == "content":
+                self.emit_content(self.take(len(self.buf)))
+                return
+            if self.state in ("start", "between"):
+                head = self.buf.lstrip()
+                lead = self.take(len(self.buf) - len(head))
+                if self.prefix:              # after <|python_tag|>: content unless a call follows
+                    self.prefix += lead
+                else:
+                    self.emit_content(lead)
+                if not head:
+                    if final and self.prefix:
+                        self._to_content()
+                    return
+                if self.state == "start" and not self.prefix:
+                    if head.startswith(PYTHON_TAG):
+                        self.prefix = self.take(len(PYTHON_TAG))
+                        continue
+                    if PYTHON_TAG.startswith(head) and not final:
+                        return
+                if self.state == "between" and head[0] == ";":
+                    self.take(1)
+                    continue
+                if head[0] != "{":
+                    self._to_content()
+                    continue
+                self.state, self.reader = "call", JsonCallReader(self, ("parameters", "arguments"))
+            step = self.reader.step(final)
+            if step == WAIT:
+                return
+            if step == REJECT:
+                status, text = read_whole_object(self, final)
+                if status == WAIT:
+                    return
+                if status == REJECT:
+                    self._to_content(text)
+                    continue
+            self.prefix, self.state = "", "between"

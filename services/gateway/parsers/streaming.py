@@ -1,0 +1,117 @@
+"""The base of every tool-call parser: a state machine over the text, fed piece by piece,
+that streams each call as it is generated (vLLM's shape: one fragment with the id and name,
+then fragments of `function.arguments` text, never the whole call at its end).
+
+A subclass implements `advance(final)`: consume what it can of `self.buf` (the text not yet
+decided) through the emit helpers, keep the undecided rest in `self.buf`. `parse(text)` runs the
+same machine over the whole text, so a whole response and the concatenation of a stream agree
+by construction; the conformance suite checks that no split of the text changes the result.
+
+Decisions are taken on prefixes only: once a call's header (its name) has been read, the call is
+committed and its arguments stream; what came before that is held or emitted as content.
+Whitespace that only separates calls (or trails the output when there were calls) is dropped,
+as OpenAI does."""
+from __future__ import annotations
+
+import json
+
+from services.gateway.parsers.base import ToolCall, ToolCallDelta, ToolParser
+
+
+class StreamingToolParser(ToolParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.buf = ""                            # text not decided yet
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+        self._ws = ""                            # whitespace held until content follows
+        self._call_open = False
+        self._args_blank = True                  # the open call streamed no arguments yet
+
+    # -- the ToolParser interface ---------------------------------------------------------
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self.buf += text
+        self.advance(final=False)
+        return self._drain()
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self.advance(final=True)
+        if self._call_open:        # the output ended inside a call (max_tokens or EOS)
+            self.close_call()
+        if not self.num_calls:
+            self._content.append(self._ws)
+        self._ws = ""
+        return self._drain()
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, deltas = self.feed(text)
+        more, more_deltas = self.finish()
+        calls: dict[int, list[str]] = {}
+        for d in deltas + more_deltas:
+            if d.name is not None:
+                calls[d.index] = [d.id or "", d.name, ""]
+            calls[d.index][2] += d.arguments
+        return content + more, [ToolCall(*calls[i]) for i in sorted(calls)]
+
+    # -- for subclasses -------------------------------------------------------------------
+    def advance(self, final: bool) -> None:
+        raise NotImplementedError
+
+    def allowed(self, name: str) -> bool:
+        return bool(name) and (self.allowed_names is None or name in self.allowed_names)
+
+    def emit_content(self, text: str) -> None:
+        """`text` is content; its trailing whitespace is held back (dropped if a call follows)."""
+        if not text:
+            return
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        if body:
+            self._content.append(body)
+
+    def open_call(self, name: str, call_id: str | None = None) -> None:
+        self._ws = ""
+        self._deltas.append(ToolCallDelta(self.num_calls, id=call_id or self.new_id(), name=name))
+        self.num_calls += 1
+        self._call_open, self._args_blank = True, True
+
+    def emit_args(self, text: str) -> None:
+        if text:
+            self._args_blank = self._args_blank and not text.strip()
+            self._deltas.append(ToolCallDelta(self.num_calls - 1, arguments=text))
+
+    def close_call(self) -> None:
+        """The open call is complete; one that streamed no arguments gets `{}`."""
+        if self._args_blank:
+            self.emit_args("{}")
+        self._call_open = False
+
+    def emit_whole_call(self, name: str, arguments: str, call_id: str | None = None) -> None:
+        self.open_call(name, call_id)
+        self.emit_args(arguments)
+        self.close_call()
+
+    def take(self, n: int) -> str:
+        """Remove and return the first `n` characters of the undecided text."""
+        head, self.buf = self.buf[:n], self.buf[n:]
+        return head
+
+    # -- internals ------------------------------------------------------------------------
+    def _drain(self) -> tuple[str, list[ToolCallDelta]]:
+        content, self._content = "".join(self._content), []
+        merged: list[ToolCallDelta] = []
+        for d in self._deltas:   # one fragment per call and feed: adjacent argument text joined
+            if merged and d.name is None and merged[-1].name is None and merged[-1].index == d.index:
+                merged[-1] = ToolCallDelta(d.index, arguments=merged[-1].arguments + d.arguments)
+            else:
+                merged.append(d)
+        self._deltas = []
+        return content, merged
+
+
+def json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
