@@ -41,6 +41,11 @@ class GatewayConfig:
     max_header_bytes: int = 16 * 1024     # the request line and headers, whether in one read or many
     max_headers: int = 100
     shutdown_grace_s: float = 2.0
+    # Stored Responses API responses (openai/responses_store.py): LRU past either bound, gone
+    # after the time to live; 0 entries = nothing stored.
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 1024 * 1024
+    responses_store_ttl_s: float = 3600.0
     log_level: str = "INFO"
     reasoning_parser: str | None = None   # deepseek_r1 | qwen3
     tool_call_parser: str | None = None   # hermes | llama3_json
@@ -90,6 +95,11 @@ class GatewayConfig:
             raise ValueError("--max-compression-ratio must be at least 1")
         if self.max_stop_strings < 0 or self.max_stop_string_chars < 1:
             raise ValueError("stop-string limits must be positive")
+        if self.responses_store_max_entries < 0 or self.responses_store_max_bytes < 0:
+            raise ValueError("--responses-store-max-entries and --responses-store-max-bytes "
+                             "must be >= 0")
+        if not self.responses_store_ttl_s > 0:
+            raise ValueError("--responses-store-ttl-s must be positive")
         if self.shutdown_grace_s < 0:
             raise ValueError("--shutdown-grace-s must be >= 0")
         if self.tokenizer_timeout_s <= 0:

@@ -36,6 +36,14 @@ def add_flags(p: argparse.ArgumentParser, defaults) -> None:
                    help="request line + headers, 431 past it")
     p.add_argument("--max-headers", type=int, default=defaults.max_headers,
                    help="headers in one request, 431 past it")
+    p.add_argument("--responses-store-max-entries", type=int,
+                   default=defaults.responses_store_max_entries,
+                   help="stored /v1/responses responses kept (LRU past it; 0: none stored)")
+    p.add_argument("--responses-store-max-bytes", type=int,
+                   default=defaults.responses_store_max_bytes,
+                   help="bytes of stored responses and their conversations (LRU past it)")
+    p.add_argument("--responses-store-ttl-s", type=float, default=defaults.responses_store_ttl_s,
+                   help="a stored response is gone this long after it was stored")
     p.add_argument("--api-key", action="append", default=[],
                    help="a key clients send as 'Authorization: Bearer KEY' (repeatable; also "
                         "MESHLLM_API_KEYS, comma separated)")
@@ -66,7 +74,9 @@ def gateway_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for flag in ("--max-inflight-tokens", "--max-compression-ratio", "--max-connections",
                  "--keep-alive-timeout-s", "--header-timeout-s", "--body-timeout-s",
-                 "--body-min-rate", "--max-header-bytes", "--max-headers", "--api-key-file",
+                 "--body-min-rate", "--max-header-bytes", "--max-headers",
+                 "--responses-store-max-entries", "--responses-store-max-bytes",
+                 "--responses-store-ttl-s", "--api-key-file",
                  "--admin-api-key-file", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
                  "--ssl-client-auth"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
