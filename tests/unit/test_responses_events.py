@@ -1,0 +1,134 @@
+"""Responses output items and stream events from parsed output: the order the openai client's
+stream accumulator needs, sequence numbers, and the same output streamed or whole."""
+import itertools
+import json
+
+import openai
+import pytest
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+from openai._models import construct_type_unchecked
+
+from services.gateway.openai.responses_events import ResponseBuilder, history_of, usage_of
+from services.gateway.parsers import ParsedDelta, ToolCallDelta, make_output_parser
+
+BASE = {"id": "resp_1", "created_at": 1, "model": "m", "tools": [], "tool_choice": "auto",
+        "parallel_tool_calls": True}
+
+
+def ids():
+    counter = itertools.count()
+    return lambda prefix: f"{prefix}_{next(counter)}"
+
+
+def run(pieces, status="completed"):
+    b = ResponseBuilder(dict(BASE), new_id=ids())
+    events = b.start()
+    for piece in pieces:
+        events += b.feed(piece)
+    events += b.finish(status, usage_of(5, 7, 2, 3))
+    return b, events
+
+
+def sdk_final(events):
+    """What the openai client's stream helper assembles from these events."""
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for e in json.loads(json.dumps(events)):
+        state.handle_event(construct_type_unchecked(value=e, type_=ResponseStreamEvent))
+    return state._completed_response
+
+
+def test_text_deltas_assemble_in_one_message_and_the_client_accepts_the_stream():
+    b, events = run([ParsedDelta(content="Hel"), ParsedDelta(content="lo")])
+    types = [e["type"] for e in events]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    [item] = b.output
+    assert item["type"] == "message" and item["content"][0]["text"] == "Hello"
+    assert item["status"] == "completed" and item["id"].startswith("msg_")
+    final = sdk_final(events)
+    assert final.output_text == "Hello" and final.usage.output_tokens_details.reasoning_tokens == 3
+    assert final.usage.input_tokens_details.cached_tokens == 2 and final.usage.total_tokens == 12
+
+
+def test_reasoning_then_text_then_calls_are_separate_items():
+    b, events = run([ParsedDelta(reasoning="think"), ParsedDelta(reasoning=" more", content="Ok"),
+                     ParsedDelta(content="\n", tool_calls=[
+                         ToolCallDelta(0, id="call_a", name="f"), ToolCallDelta(0, arguments='{"x"'),
+                         ToolCallDelta(0, arguments=': 1}')]),
+                     ParsedDelta(content="\n", tool_calls=[ToolCallDelta(1, id="call_b", name="g",
+                                                                       arguments="{}")])])
+    assert [i["type"] for i in b.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert b.reasoning_text() == "think more"
+    assert b.output[1]["content"][0]["text"] == "Ok\n"   # text after an open message stays
+    call = b.output[2]
+    assert (call["call_id"], call["name"], call["arguments"], call["status"]) == \
+        ("call_a", "f", '{"x": 1}', "completed")
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+              and e["item_id"] == call["id"]]
+    assert deltas == ['{"x"', ': 1}']
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [d["arguments"] for d in done] == ['{"x": 1}', "{}"]
+    assert "response.reasoning_text.delta" in [e["type"] for e in events]
+    final = sdk_final(events)
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert json.loads(final.output[2].arguments) == {"x": 1}
+    assert history_of(b.output) == [{"role": "assistant", "content": "Ok\n", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}]
+
+
+def test_whitespace_between_calls_makes_no_message_but_alone_it_is_kept():
+    b, _ = run([ParsedDelta(tool_calls=[ToolCallDelta(0, id="c", name="f", arguments="{}")]),
+                ParsedDelta(content="\n"),
+                ParsedDelta(tool_calls=[ToolCallDelta(1, id="d", name="f", arguments="{}")])])
+    assert [i["type"] for i in b.output] == ["function_call", "function_call"]
+    b, _ = run([ParsedDelta(content="  ")])
+    assert b.output[0]["content"][0]["text"] == "  "
+
+
+def test_a_cut_response_is_incomplete_with_its_reason_and_the_open_item_incomplete():
+    b, events = run([ParsedDelta(content="partial")], status="incomplete")
+    assert events[-1]["type"] == "response.incomplete"
+    assert b.response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert b.output[0]["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("status", ["failed", "cancelled"])
+def test_failed_and_cancelled_streams_end_with_response_failed(status):
+    b, events = run([ParsedDelta(content="x")], status=status)
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["status"] == status
+    with pytest.raises(ValueError):
+        b.finish("in_progress")
+
+
+def test_events_are_snapshots_not_later_states():
+    b = ResponseBuilder(dict(BASE), new_id=ids())
+    created = b.start()[0]
+    added = b.feed(ParsedDelta(content="a"))
+    b.feed(ParsedDelta(content="b"))
+    assert created["response"]["output"] == [] and created["response"]["status"] == "in_progress"
+    part = [e for e in added if e["type"] == "response.content_part.added"][0]["part"]
+    assert part["text"] == ""
+
+
+def test_a_real_parser_split_anywhere_gives_the_same_items():
+    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    outputs = []
+    for cut in (1, 5, 9, 23, len(text)):
+        parser = make_output_parser(None, "hermes", allowed_tools={"f"})
+        b = ResponseBuilder(dict(BASE), new_id=ids())
+        b.start()
+        for chunk in (text[:cut], text[cut:]):
+            b.feed(parser.feed(chunk))
+        b.feed(parser.finish())
+        b.finish("completed", usage_of(1, 1))
+        outputs.append([(i["type"], i.get("content", [{}])[0].get("text"), i.get("name"),
+                         i.get("arguments") and json.loads(i["arguments"])) for i in b.output])
+    assert all(o == outputs[0] for o in outputs)
+    assert outputs[0] == [("message", "Sure.", None, None), ("function_call", None, "f", {"x": 1})]
