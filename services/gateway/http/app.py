@@ -10,6 +10,7 @@ from services.gateway.http.errors import install_error_handlers
 from services.gateway.http.models import add_model_routes
 from services.gateway.http.openapi import install as install_openapi
 from services.gateway.http.profile import add_profile_routes
+from services.gateway.http.responses import add_responses_routes
 from services.gateway.http.tokenize import add_tokenize_routes
 from services.gateway.service import Gateway
 
@@ -21,6 +22,7 @@ def create_app(gw: Gateway) -> FastAPI:
     install_error_handlers(app)
     add_model_routes(app, gw)
     add_completion_routes(app, gw)
+    add_responses_routes(app, gw)
     add_tokenize_routes(app, gw)
     cfg = gw.config
     credentials = cfg.internal_tls.channel_credentials()

@@ -17,10 +17,12 @@ from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
 from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai.responses_protocol import ResponsesRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -52,6 +54,7 @@ _SHAPES: dict[tuple[str, str], dict] = {
 # Ranges the gateway enforces (services/common/sampling_rules.py), added to the non-null alternative.
 _BOUNDS: dict[str, dict] = {
     "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+    "max_output_tokens": {"minimum": 1},
     "min_tokens": {"minimum": 0}, "messages": {"minItems": 1},
     "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
