@@ -4,7 +4,7 @@ at batch 1 and 64, side by side with the same batch unconstrained, on the Llama-
 random bf16 weights. The grammar engine uses SmolLM2's tokenizer (its 49,152 ids; the model's
 larger vocabulary is masked off above them).
 
-  python3 bench/gpu_structured.py --tokenizer DIR/tokenizer.json [--steps 64] [--out FILE]
+  python3 bench/gpu_structured.py --tokenizer DIR/tokenizer.json [--steps 64] [--out FILE] [--revision LABEL]
 
 Correctness: requests constrained by a bounded JSON schema, a regex and a choice list, greedy,
 two steps in flight, each stopped at its EOS; their text must parse and match. Cost: `steps`
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_decode import BS, build_model, llama31_8b_config  # noqa: E402
 from services.common import pb  # noqa: E402
+from services.worker import structured  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
 from services.worker.wire import ProtoRunner  # noqa: E402
 
@@ -100,6 +101,7 @@ def main() -> int:
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--out", default="bench/results/gpu_structured.json")
+    p.add_argument("--revision", default="worktree", help="a label for the code measured")
     a = p.parse_args()
     tok = Tokenizer.from_file(a.tokenizer)
     # EOS of the grammar's tokenizer: the random model's own (Llama-3 ids) are not in SmolLM2's vocabulary.
@@ -125,21 +127,31 @@ def main() -> int:
     ended = {rid: bool(outs[rid]) and outs[rid][-1] == EOS for rid in outs if rid != "free"}
     print("correctness", {"valid": valid, "ended_with_eos": ended}, f"{time.perf_counter() - t0:.1f}s", flush=True)
     cost = {}
-    for batch in (1, 64):
-        runs: dict[str, list[float]] = {"free": [], "constrained": []}
-        for kind in ("free", "constrained", "free", "constrained"):
+    parallel_rows = getattr(structured, "PARALLEL_MIN_ROWS", None)   # absent in older revisions
+    kinds = ("free", "constrained") + (("serial_masks",) if parallel_rows is not None else ())
+    for batch in (1, 16, 64):
+        runs: dict[str, list[float]] = {k: [] for k in kinds}
+        mask_ms: dict[str, list[float]] = {k: [] for k in kinds}
+        for kind in kinds * 2:
             sp = pb.common.SamplingParams() if kind == "free" else constraint(json_schema=json.dumps(ENDLESS))
+            if parallel_rows is not None:
+                structured.PARALLEL_MIN_ROWS = 10**9 if kind == "serial_masks" else parallel_rows
             batch_reqs = {f"{kind}{batch}-{i}-{len(runs[kind])}": (prompt + [200 + i], sp) for i in range(batch)}
+            mask0 = runner.constraints.mask_s
             _, ms = drive(wired, batch_reqs, a.steps, 10_000, stop_at_eos=False)
             runs[kind].append(statistics.median(ms[4:]))
+            mask_ms[kind].append((runner.constraints.mask_s - mask0) * 1e3 / a.steps)
         med = {k: statistics.median(v) for k, v in runs.items()}
-        cost[str(batch)] = {"step_ms": runs, "median_step_ms": med,
+        cost[str(batch)] = {"step_ms": runs, "median_step_ms": med, "host_mask_ms_per_step": mask_ms,
+                            "mask_us_per_token": {k: 1e3 * statistics.median(v) / batch for k, v in mask_ms.items()},
                             "ratio_constrained_over_free": med["constrained"] / med["free"]}
-        print("cost batch", batch, cost[str(batch)], flush=True)
+        if "serial_masks" in med:
+            cost[str(batch)]["ratio_serial_masks_over_free"] = med["serial_masks"] / med["free"]
+        print("cost batch", batch, json.dumps(cost[str(batch)]), flush=True)
     res = {"schema": 1, "bench": "gpu_structured", "device": torch.cuda.get_device_name(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": "Llama-3.1-8B shape, random bf16",
            "grammar_tokenizer": "SmolLM2 (49,152 ids)", "overlap": runner.overlap,
-           "correctness": {"valid": valid, "ended_with_eos": ended}, "cost": cost}
+           "revision": a.revision, "correctness": {"valid": valid, "ended_with_eos": ended}, "cost": cost}
     pathlib.Path(a.out).write_text(json.dumps(res, indent=2))
     return 0 if all(valid.values()) and all(ended.values()) else 1
 

@@ -12,8 +12,9 @@ Off the engine loop: the tokenizer and every matcher are built on one background
 alone touches the template cache). `start` only enqueues the build; the engine thread waits for
 it when the request first samples, so a prompt's prefill forward (and every chunk of a chunked
 one) runs while its grammar compiles. The build is bounded by the parser limits
-(services/common/structured.parser_limits) and the wait by BUILD_WAIT_S. Masks of several rows
-are filled in parallel by llguidance's executor (Rust threads, no GIL).
+(services/common/structured.parser_limits) and the wait by BUILD_WAIT_S. Masks of many rows of an
+expensive grammar are filled in parallel by llguidance's executor (Rust threads, no GIL); cheap
+ones stay on the engine thread, where they measured faster (PARALLEL_MIN_MS).
 
 A request whose constraint cannot be enforced (the grammar does not build, the tokenizer is
 missing, or the matcher refused a sampled token) is ended cleanly: its mask allows only EOS, so
@@ -45,7 +46,11 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_CACHE_SIZE = 64   # recent grammars kept built: a repeated schema costs a deep copy only
 BUILD_WAIT_S = 10.0        # longest a sampling step waits for a matcher still compiling
-PARALLEL_MIN_ROWS = 4      # fewer constrained rows: fill their masks on this thread
+# Masks go to llguidance's thread pool only when a step's masks are expected to take longer than
+# its fixed cost: on the H200 host, 64 rows of a small schema took 0.65 ms filled here and 1.3-1.6
+# ms through the pool (bench/results/gpu_structured.json), so cheap grammars stay on this thread.
+PARALLEL_MIN_ROWS = 4      # fewer constrained rows: always on this thread
+PARALLEL_MIN_MS = 2.0      # expected serial time of the step's masks (EWMA per row x rows) to go parallel
 
 
 class RequestMatcher:
@@ -114,6 +119,7 @@ class Constraints:
         self.build_s = 0.0        # time spent building matchers (not copies), for metrics / tests
         self.mask_s = 0.0         # time spent filling masks
         self.cache_hits = 0
+        self._row_ms = 0.0        # EWMA of the serial host time of one row's mask
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
         with self._pool_lock:
@@ -222,11 +228,14 @@ class Constraints:
         live = [(mm, r) for mm, r in live if mm is not None]
         bitmask = torch.zeros(k, self.width, dtype=torch.int32)   # [k, W]
         words = bitmask.numpy().view(np.uint32)                  # the same memory, bit 31 unsigned
-        if len(live) >= PARALLEL_MIN_ROWS:
+        if len(live) >= PARALLEL_MIN_ROWS and self._row_ms * len(live) >= PARALLEL_MIN_MS:
             lt.fill_next_token_bitmask_par(self._parallel_executor(), live, bitmask)
-        else:
+        elif live:
+            t_fill = time.perf_counter()
             for mm, r in live:
                 lt.fill_next_token_bitmask(mm, bitmask, r)
+            row_ms = (time.perf_counter() - t_fill) * 1e3 / len(live)
+            self._row_ms = row_ms if not self._row_ms else 0.8 * self._row_ms + 0.2 * row_ms
         for row, m in zip(rows, matchers):
             if m is None:
                 continue

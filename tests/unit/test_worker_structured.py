@@ -219,3 +219,30 @@ def test_grammars_compile_on_the_build_thread_and_a_stuck_build_ends_only_its_re
     stuck = cons.start("c", grammar, [])
     assert stuck.matcher is None and stuck.failed, "a build past the bound ends its request (EOS mask)"
     gate.set()
+
+
+def test_parallel_mask_fill_gives_the_serial_masks(smollm2_dir, monkeypatch):
+    """Rows filled by llguidance's thread pool (chosen for expensive grammars) equal the rows
+    filled one by one."""
+    from services.common import structured as common
+    from services.worker import structured as worker_structured
+    cons = worker_structured.Constraints(str(smollm2_dir / "tokenizer.json"), (EOS,), 49152, model_name="par")
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    grammars = [common.grammar_of(pb.common.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+                common.grammar_of(pb.common.StructuredOutput(regex=r"[a-z]+-[0-9]{2}")),
+                common.grammar_of(pb.common.StructuredOutput(json_object=True))]
+    prefixes = ['{"name": "Al', "abc", '{"a": [1, 2']
+
+    def masks(parallel: bool) -> torch.Tensor:
+        monkeypatch.setattr(worker_structured, "PARALLEL_MIN_ROWS", 1 if parallel else 10**9)
+        monkeypatch.setattr(worker_structured, "PARALLEL_MIN_MS", 0.0)
+        ms = [cons.start(f"r{i}", (f"k{i % 3}", grammars[i % 3]), tok.encode(prefixes[i % 3]).ids)
+              for i in range(6)]
+        rows = [SampleRow(SamplingConfig(), [], 0, 0) for _ in ms]
+        return cons.prepare(rows, ms)
+
+    serial, parallel = masks(False), masks(True)
+    import numpy as np
+    allowed = np.unpackbits(serial.numpy().view(np.uint8), axis=1).sum(axis=1)
+    assert serial.shape == (6, 49152 // 32) and (allowed > 1).all(), "every row a live grammar, not EOS-only"
+    assert torch.equal(serial, parallel)
