@@ -52,10 +52,12 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--embedding-model", default=None,
                    help="a BERT-style model directory served on /v1/embeddings "
                         "(meshllm up: the bundled all-MiniLM-L6-v2)")
-    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
-                   help="split <think>...</think> into reasoning_content")
-    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
-                   help="parse tool calls out of chat output (needed for `tools`)")
+    from services.gateway.flags import parser_names
+    reasoning_parsers, tool_parsers = parser_names()
+    p.add_argument("--reasoning-parser", choices=reasoning_parsers, default=None,
+                   help="split the model's reasoning into reasoning_content (docs/parsers.md)")
+    p.add_argument("--tool-call-parser", choices=tool_parsers, default=None,
+                   help="parse tool calls out of chat output (needed for `tools`; docs/parsers.md)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (a scheduler and its worker each) under the supervisor; "
                         "the gateway routes among the ready ones")

@@ -47,8 +47,8 @@ class GatewayConfig:
     responses_store_max_bytes: int = 64 * 1024 * 1024
     responses_store_ttl_s: float = 3600.0
     log_level: str = "INFO"
-    reasoning_parser: str | None = None   # deepseek_r1 | qwen3
-    tool_call_parser: str | None = None   # hermes | llama3_json
+    reasoning_parser: str | None = None   # a name in parsers.REASONING_PARSERS
+    tool_call_parser: str | None = None   # a name in parsers.TOOL_PARSERS
     api_keys: list[str] = field(default_factory=list)        # none: the API is open
     admin_api_keys: list[str] = field(default_factory=list)  # none: admin routes refused
     tls: TlsConfig = field(default_factory=TlsConfig)        # HTTP and public gRPC

@@ -14,6 +14,12 @@ _SECURITY_DESTS = ("api_key", "api_key_file", "admin_api_key", "admin_api_key_fi
                    "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_client_auth")
 
 
+def parser_names() -> tuple[list[str], list[str]]:
+    """(--reasoning-parser names, --tool-call-parser names), for launchers' choices."""
+    from services.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
+    return sorted(REASONING_PARSERS), sorted(TOOL_PARSERS)
+
+
 def add_flags(p: argparse.ArgumentParser, defaults) -> None:
     p.add_argument("--max-inflight-tokens", type=int, default=defaults.max_inflight_tokens,
                    help="admission: prompt + max_tokens of all requests in flight (429 past it)")

@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                    help="on SIGTERM, how long running requests may finish before being aborted")
     p.add_argument("--log-level", default=d.log_level)
-    p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 | qwen3")
-    p.add_argument("--tool-call-parser", default=None, help="hermes | llama3_json")
+    p.add_argument("--reasoning-parser", default=None, help="a reasoning parser (docs/parsers.md)")
+    p.add_argument("--tool-call-parser", default=None, help="a tool-call parser (docs/parsers.md)")
     flags.add_flags(p, d)
     internal_tls.add_flags(p)  # our clients of the tokenizer, scheduler and embedder
     args = p.parse_args(argv)

@@ -87,11 +87,13 @@ class ToolParser:
     # (skip_special_tokens off for the requests it parses).
     needs_special_tokens = False
 
+    default_id: Callable[[], str] = staticmethod(new_tool_call_id)
+
     def __init__(self, allowed_names: set[str] | None = None,
-                 id_factory: Callable[[], str] = new_tool_call_id,
+                 id_factory: Callable[[], str] | None = None,
                  schemas: dict[str, Any] | None = None) -> None:
         self.allowed_names = allowed_names
-        self.new_id = id_factory
+        self.new_id = id_factory or self.default_id
         self.schemas = schemas or {}   # tool name -> its `parameters` JSON Schema (XML formats)
         self.num_calls = 0
 

@@ -1,4 +1,4 @@
-"""`<think>…</think>` reasoning (DeepSeek-R1 and Qwen3 styles).
+"""`<think>…</think>` reasoning (DeepSeek-R1 and Qwen3 styles; Seed-OSS with its own tags).
 
 - deepseek_r1: the template may already have opened `<think>` in the prompt, so output is
   reasoning from its start (an optional leading `<think>` is dropped) until `</think>`;
@@ -6,7 +6,9 @@
 - qwen3: reasoning only inside a leading `<think>…</think>` (leading whitespace allowed);
   output that does not start with `<think>` is all content (thinking disabled). An
   unclosed `<think>` (cut by max_tokens) leaves the rest as reasoning.
-Text after `</think>` is content, verbatim."""
+- seed_oss: `<seed:think>…</seed:think>`, read as deepseek_r1 reads its tags (as vLLM does: the
+  output is reasoning from its start, an optional leading `<seed:think>` dropped).
+Text after the end tag is content, verbatim."""
 from __future__ import annotations
 
 from services.gateway.parsers.base import ReasoningParser, held_prefix_len
@@ -15,8 +17,9 @@ START, END = "<think>", "</think>"
 
 
 class ThinkReasoningParser(ReasoningParser):
-    def __init__(self, starts_in_reasoning: bool) -> None:
+    def __init__(self, starts_in_reasoning: bool, start: str = START, end: str = END) -> None:
         self.starts_in_reasoning = starts_in_reasoning
+        self.start, self.end = start, end
         self._state = "start"   # start -> reasoning -> content, or start -> content
         self._buf = ""
 
@@ -24,10 +27,10 @@ class ThinkReasoningParser(ReasoningParser):
         self._buf += text
         if self._state == "start":
             head = self._buf.lstrip()
-            if START.startswith(head):        # empty, whitespace or a partial "<think>"
+            if self.start.startswith(head):        # empty, whitespace or a partial "<think>"
                 return "", ""
-            if head.startswith(START):
-                self._buf, self._state = head[len(START):], "reasoning"
+            if head.startswith(self.start):
+                self._buf, self._state = head[len(self.start):], "reasoning"
             elif self.starts_in_reasoning:
                 self._state = "reasoning"
             else:
@@ -35,12 +38,12 @@ class ThinkReasoningParser(ReasoningParser):
         if self._state == "content":
             out, self._buf = self._buf, ""
             return "", out
-        end = self._buf.find(END)
+        end = self._buf.find(self.end)
         if end >= 0:
-            reasoning, rest = self._buf[:end], self._buf[end + len(END):]
+            reasoning, rest = self._buf[:end], self._buf[end + len(self.end):]
             self._buf, self._state = "", "content"
             return reasoning, rest
-        keep = held_prefix_len(self._buf, END)
+        keep = held_prefix_len(self._buf, self.end)
         out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return out, ""
 
@@ -52,16 +55,16 @@ class ThinkReasoningParser(ReasoningParser):
 
     def parse(self, text: str) -> tuple[str, str]:
         head = text.lstrip()
-        if head.startswith(START):
-            body = head[len(START):]
+        if head.startswith(self.start):
+            body = head[len(self.start):]
         elif self.starts_in_reasoning:
             body = text
         else:
             return "", text
-        end = body.find(END)
+        end = body.find(self.end)
         if end < 0:
             return body, ""
-        return body[:end], body[end + len(END):]
+        return body[:end], body[end + len(self.end):]
 
 
 def deepseek_r1() -> ThinkReasoningParser:
@@ -70,3 +73,7 @@ def deepseek_r1() -> ThinkReasoningParser:
 
 def qwen3() -> ThinkReasoningParser:
     return ThinkReasoningParser(starts_in_reasoning=False)
+
+
+def seed_oss() -> ThinkReasoningParser:
+    return ThinkReasoningParser(starts_in_reasoning=True, start="<seed:think>", end="</seed:think>")

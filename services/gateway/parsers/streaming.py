@@ -19,6 +19,10 @@ from services.gateway.parsers.base import ToolCall, ToolCallDelta, ToolParser
 
 
 class StreamingToolParser(ToolParser):
+    # With special tokens kept in the text, the end-of-sequence token's text may close the
+    # output: held back like trailing whitespace, and dropped if nothing follows it.
+    end_strings: tuple[str, ...] = ()
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.buf = ""                            # text not decided yet
@@ -39,7 +43,12 @@ class StreamingToolParser(ToolParser):
         if self._call_open:        # the output ended inside a call (max_tokens or EOS)
             self.close_call()
         if not self.num_calls:
-            self._content.append(self._ws)
+            tail = self._ws
+            for end in self.end_strings:
+                if tail.rstrip().endswith(end):
+                    tail = tail.rstrip()[:-len(end)]
+                    break
+            self._content.append(tail)
         self._ws = ""
         return self._drain()
 
@@ -66,6 +75,12 @@ class StreamingToolParser(ToolParser):
             return
         text = self._ws + text
         body = text.rstrip()
+        for end in self.end_strings:
+            keep = next((n for n in range(min(len(end), len(body)), 0, -1)
+                         if end.startswith(body[-n:])), 0)
+            if keep:
+                body = body[:-keep]
+                break
         self._ws = text[len(body):]
         if body:
             self._content.append(body)
