@@ -20,6 +20,9 @@ from services.tokenizer.chat_template import (ChatTemplate, ChatTemplateError, M
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _INT32_MAX = 2**31 - 1
+# tokenizer_config.json fields that are not shown by tokenizer_config(): local file paths (as
+# vLLM drops them) and the template (shown on its own).
+_HIDDEN_CONFIG_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "chat_template")
 
 
 class TokenizerLoadError(RuntimeError):
@@ -38,7 +41,8 @@ class TokenizerInfo:
 class TokenizerCore:
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, chat_template: ChatTemplate | None,
                  special_tokens: dict[str, str], eos_token_ids: Sequence[int],
-                 model_max_length: int, add_bos_token: bool | None = None) -> None:
+                 model_max_length: int, add_bos_token: bool | None = None,
+                 tokenizer_config: dict[str, Any] | None = None) -> None:
         # Padding/truncation in tokenizer.json (e.g. MiniLM's 512) would silently cut prompts;
         # length limits are the gateway's job, with a clear error.
         tokenizer.no_truncation()
@@ -52,6 +56,7 @@ class TokenizerCore:
         self.bos_token_id = -1 if bos_id is None else bos_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_max_length = model_max_length
+        self._config_file = dict(tokenizer_config or {})   # tokenizer_config.json as read
         self._prepend_bos, self._strip_bos = self._bos_fixups(add_bos_token)
 
     # -- loading ------------------------------------------------------------------------
@@ -99,7 +104,8 @@ class TokenizerCore:
         add_bos = tok_cfg.get("add_bos_token")
         return cls(tokenizer, chat_template=template, special_tokens=special,
                    eos_token_ids=eos_ids, model_max_length=_context_length(model_cfg, tok_cfg),
-                   add_bos_token=add_bos if isinstance(add_bos, bool) else None)
+                   add_bos_token=add_bos if isinstance(add_bos, bool) else None,
+                   tokenizer_config=tok_cfg)
 
     # -- requests -------------------------------------------------------------------------
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
@@ -135,6 +141,24 @@ class TokenizerCore:
         vocab = self.vocab_size
         return {i: self.tokenizer.decode([i], skip_special_tokens=False)
                 for i in dict.fromkeys(ids) if 0 <= i < vocab}
+
+    def ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's string of each id (transformers' convert_ids_to_tokens: byte-level
+        pieces such as "Ġis" or "ĠðŁ", never U+FFFD); ids must be in the vocabulary."""
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def tokenizer_config(self) -> tuple[str, str, dict[str, Any]]:
+        """(tokenizer class, chat template source, tokenizer_config.json without file paths)
+        for vLLM's /tokenizer_info. The class is the one transformers' AutoTokenizer loads for
+        this directory: tokenizer.json makes it the "Fast" variant of the named class."""
+        config = {k: v for k, v in self._config_file.items() if k not in _HIDDEN_CONFIG_KEYS}
+        named = config.get("tokenizer_class")
+        if isinstance(named, str) and named:
+            cls = named if named.endswith("Fast") else f"{named}Fast"
+        else:
+            cls = "PreTrainedTokenizerFast"
+        template = self.chat_template.source if self.chat_template is not None else ""
+        return cls, template, config
 
     def info(self) -> TokenizerInfo:
         return TokenizerInfo(vocab_size=self.vocab_size, bos_token_id=self.bos_token_id,

@@ -6,6 +6,7 @@ event loop keeps answering health checks and Detokenize streams meanwhile.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -140,6 +141,21 @@ class TokenizerServicer(pb.tokenizer_grpc.TokenizerServicer):
         log.info("decode sequences=%d tokens=%d", len(texts),
                  sum(len(s.ids) for s in request.sequences))
         return pb.tokenizer.DecodeResponse(texts=texts)
+
+    async def ConvertIdsToTokens(self, request, context):
+        # One id per token of a prompt: bounded like the chars of one Encode call.
+        if len(request.ids) > self._config.max_total_chars:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"too many ids: {len(request.ids)} > {self._config.max_total_chars}")
+        vocab = self._core.vocab_size
+        if any(not 0 <= i < vocab for i in request.ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be in [0, {vocab})")
+        return pb.tokenizer.IdsToTokensResponse(tokens=self._core.ids_to_tokens(request.ids))
+
+    async def GetConfig(self, request, context):
+        cls, template, config = self._core.tokenizer_config()
+        return pb.tokenizer.TokenizerConfig(tokenizer_class=cls, chat_template=template,
+                                            config_json=json.dumps(config, ensure_ascii=False))
 
     async def GetInfo(self, request, context):
         info = self._core.info()

@@ -164,7 +164,7 @@ def test_tokenize_and_detokenize_round_trip_in_vllm_shapes(http, mesh):
     tok = http.post("/tokenize", json={"model": mesh.model_name, "prompt": "Hello there, world!",
                                        "return_token_strs": True}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 2048
-    assert "".join(tok["token_strs"]) == "Hello there, world!"
+    assert tok["token_strs"][:3] == ["Hello", "Ġthere", ","]   # the vocabulary's strings (vLLM)
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "Hello there, world!"}
     bad = http.post("/detokenize", json={"tokens": [10 ** 9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -58,10 +58,10 @@ def test_tools_tool_messages_and_template_kwargs_reach_the_template(parser_mesh)
                  "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
                 {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}]
     with httpx.Client(base_url=parser_mesh.http_url, timeout=60) as http:
-        r = http.post("/tokenize", json={"messages": messages, "tools": [TOOL], "return_token_strs": True,
+        r = http.post("/tokenize", json={"messages": messages, "tools": [TOOL],
                                          "chat_template_kwargs": {"enable_thinking": False}})
         assert r.status_code == 200, r.text
-        text = "".join(r.json()["token_strs"])
+        text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
         assert text.startswith("TOOLS: get_weather") and "THINKING=False" in text
         assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
         assert "[call_7] sunny" in text

@@ -11,7 +11,7 @@ from schemathesis import GenerationMode
 
 MAX_EXAMPLES = 15     # per operation: bounded for CI
 MAX_NEW_TOKENS = 4    # generation stays short (null max_tokens would run to the context length)
-GENERATING = {"/v1/completions", "/v1/chat/completions"}
+GENERATING = {"/v1/completions", "/v1/chat/completions", "/invocations"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_the_openapi_document_describes_the_request_bodies(mesh):
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "messages" in chat["required"]
-    for path in ("/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/invocations"):
         assert "requestBody" in doc["paths"][path]["post"], path
 
 

@@ -60,8 +60,9 @@ def test_prompt_may_be_token_ids_or_a_one_element_batch():
 @pytest.mark.parametrize("raw, needle, param", [
     (b"{not json", "not valid JSON", None),
     (b"[1, 2]", "must be a JSON object", None),
-    (body(prompt=5), "prompt: must be a string or a list of token ids", "prompt"),
-    (body(prompt=["a", "b"]), "several prompts is not supported", "prompt"),
+    (body(prompt=5), "prompt: must be a string, a list of token ids", "prompt"),
+    (body(prompt=["a", [1]]), "a list of strings or a list of token-id lists", "prompt"),
+    (body(prompt=["a"] * 65), "a batch holds at most 64 prompts", "prompt"),
     (body(), "prompt: Field required", "prompt"),
     (body(prompt="x", temperature="hot"), "temperature: Input should be a valid number",
      "temperature"),

@@ -95,3 +95,30 @@ def test_missing_tokenizer_json_or_bad_template_fails_loading(tmp_path):
     bad.write_text("{% if %}")
     with pytest.raises(TokenizerLoadError, match="does not compile"):
         TokenizerCore.from_dir(write_tiny_tokenizer_dir(tmp_path / "m"), chat_template_path=bad)
+
+
+def test_smollm2_ids_to_tokens_matches_transformers_convert_ids_to_tokens(smollm2_dir, smollm2_core):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = smollm2_core.encode_batch(["What is 😀 here? Café"], False)[0]
+    tokens = smollm2_core.ids_to_tokens(ids)
+    assert tokens == hf.convert_ids_to_tokens(ids)
+    assert "Ġis" in tokens and not any("\ufffd" in t for t in tokens)
+
+
+def test_smollm2_tokenizer_config_names_the_class_and_the_template_without_file_paths(smollm2_core):
+    cls, template, config = smollm2_core.tokenizer_config()
+    assert cls == "PreTrainedTokenizerFast"   # as tokenizer_config.json names it
+    assert template == smollm2_core.chat_template.source and "<|im_start|>" in template
+    assert config["eos_token"] == "<|im_end|>" and "chat_template" not in config
+    assert not {"vocab_file", "merges_file"} & set(config)
+
+
+def test_tokenizer_class_is_the_fast_variant_transformers_4_loads(tmp_path):
+    write_tiny_tokenizer_dir(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(tokenizer_class="GPT2Tokenizer", vocab_file="/secret/vocab.json")
+    cfg_path.write_text(json.dumps(cfg))
+    cls, template, config = TokenizerCore.from_dir(tmp_path).tokenizer_config()
+    assert cls == "GPT2TokenizerFast" and "vocab_file" not in config

@@ -86,6 +86,16 @@ class TokenizerClient:
             skip_special_tokens=skip_special_tokens))
         return list(resp.texts)
 
+    async def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        resp = await self._unary(self._stub.ConvertIdsToTokens,
+                                 pb.tokenizer.IdsToTokensRequest(ids=ids))
+        if len(resp.tokens) != len(ids):
+            raise ApiError("internal", "tokenizer returned a malformed ConvertIdsToTokens response")
+        return list(resp.tokens)
+
+    async def get_config(self) -> "pb.tokenizer.TokenizerConfig":
+        return await self._unary(self._stub.GetConfig, pb.tokenizer.TokenizerConfigRequest())
+
     async def _unary(self, method, request):
         try:
             # traceparent of the current request span: the tokenizer's spans hang under it

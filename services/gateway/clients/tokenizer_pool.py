@@ -147,6 +147,12 @@ class TokenizerPool:
     async def decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
         return await self._call("decode", sequences, skip_special_tokens)
 
+    async def convert_ids_to_tokens(self, ids) -> list[str]:
+        return await self._call("convert_ids_to_tokens", ids)
+
+    async def get_config(self) -> "pb.tokenizer.TokenizerConfig":
+        return await self._call("get_config")
+
     async def detokenize(self, items) -> asyncio.Future:
         if self._active is None:
             fut = asyncio.get_running_loop().create_future()

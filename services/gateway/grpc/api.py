@@ -11,6 +11,7 @@ from services.common.sampling_rules import RequestOptions
 from services.gateway.clients.engine_pool import reset_prefix_caches
 from services.gateway.openai.chat_input import check_chat_input
 from services.gateway.openai.choices import ChoiceGroup
+from services.gateway.openai.truncation import truncate_prompt
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
 from services.gateway.guard.auth import ApiKeys
@@ -90,6 +91,11 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             prompt_ids = await self._prompt_ids(request)
             if timer is not None and request.WhichOneof("input") != "token_ids":
                 timer.tokenize_done(t0)
+            prompt_ids = truncate_prompt(
+                prompt_ids, request.truncate_prompt_tokens
+                if request.HasField("truncate_prompt_tokens") else None,
+                request.truncation_side or None, self.gw.max_model_len)
+            first_of = set(range(n)) if request.return_prompt_token_ids else set()
             handle = ChoiceGroup(rid, self.gw.start_n(rid, prompt_ids, sampling, n,
                                                       cache_salt=request.cache_salt,
                                                       priority=request.priority))
@@ -103,6 +109,9 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                 resp = pb.generation.GenerateResponse(
                     request_id=rid, text=delta.text, token_ids=delta.token_ids,
                     logprobs=delta.logprobs, index=index)
+                if index in first_of:
+                    first_of.discard(index)
+                    resp.prompt_token_ids.extend(prompt_ids)
                 if delta.last:
                     one = handle.handles[index]
                     resp.finish_reason = finish.to_proto(delta.finish_reason)

@@ -7,11 +7,13 @@ from fastapi import FastAPI
 from services.gateway.http.admin import add_admin_routes
 from services.gateway.http.completions import add_completion_routes
 from services.gateway.http.errors import install_error_handlers
+from services.gateway.http.invocations import add_invocation_routes
 from services.gateway.http.models import add_model_routes
 from services.gateway.http.openapi import install as install_openapi
 from services.gateway.http.profile import add_profile_routes
 from services.gateway.http.responses import add_responses_routes
 from services.gateway.http.tokenize import add_tokenize_routes
+from services.gateway.http.tokenizer_info import add_tokenizer_info_routes
 from services.gateway.service import Gateway
 
 
@@ -24,6 +26,8 @@ def create_app(gw: Gateway) -> FastAPI:
     add_completion_routes(app, gw)
     add_responses_routes(app, gw)
     add_tokenize_routes(app, gw)
+    add_tokenizer_info_routes(app, gw)
+    add_invocation_routes(app, gw)
     cfg = gw.config
     credentials = cfg.internal_tls.channel_credentials()
     add_profile_routes(app, cfg.profiler_addr, credentials, cfg.max_body_bytes)

@@ -1,10 +1,12 @@
-"""One OpenAI (chat) completion request over HTTP: start its n choices, then answer with
-one JSON body or an SSE stream that interleaves the choices' chunks as they come."""
+"""One OpenAI (chat) completion request over HTTP: start its n choices (per prompt: a
+completions batch is prompts x n), then answer with one JSON body or an SSE stream that
+interleaves the choices' chunks as they come."""
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -20,23 +22,34 @@ from services.gateway.timing import RequestTimer
 from services.gateway.timing import track as track_timing
 
 
+@dataclass
+class PromptIn:
+    """One prompt of a request: its token ids and the text its choices echo."""
+    ids: list[int]
+    echo: str = ""
+
+
 class _Body:
     def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool,
-                 timer: RequestTimer | None = None) -> None:
+                 timer: RequestTimer | None = None, continuous_usage: bool = False) -> None:
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.whole_object = "chat.completion" if chat else "text_completion"
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage   # vLLM: the choice's usage on every chunk
         self.timer = timer   # set when the client asked for a timing breakdown
 
     def envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def chunk(self, choices: list) -> str:
+    def chunk(self, choices: list, handle=None, extra: dict | None = None) -> str:
+        """One SSE chunk; `handle`: the choice's engine request (continuous usage)."""
         body = self.envelope(self.object, choices)
+        if extra:
+            body.update(extra)
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = usage(handle) if self.continuous_usage and handle is not None else None
         return sse(body)
 
 
@@ -44,7 +57,9 @@ async def _stream(body: _Body, group: ChoiceGroup, builders: list[ChoiceBuilder]
                   first: tuple[int, Delta], state) -> AsyncIterator[str]:
     """The SSE events, joined per wake-up: all the deltas queued by then are coalesced."""
     try:
-        parts = [body.chunk([choice]) for b in builders for choice in b.opening()]
+        handles = group.handles
+        parts = [body.chunk([choice], handles[b.index], extra)
+                 for b in builders for choice, extra in b.opening()]
         pending = coalesce([first, *group.ready()])
         ended = False
         while not ended:
@@ -55,7 +70,8 @@ async def _stream(body: _Body, group: ChoiceGroup, builders: list[ChoiceBuilder]
                     parts.append(sse(delta.error.to_openai()))
                     ended = True
                     break
-                parts.extend(body.chunk([choice]) for choice in builders[index].stream(delta))
+                parts.extend(body.chunk([choice], handles[index])
+                             for choice in builders[index].stream(delta))
                 if all(b.done for b in builders):
                     if body.include_usage or body.timer is not None:
                         final = body.envelope(body.object, [])
@@ -92,24 +108,43 @@ async def _collect(group: ChoiceGroup, builders: list[ChoiceBuilder],
         index, delta = await anext(group)
 
 
-async def generate(request: Request, gw: Gateway, req, request_id: str, prompt_ids: list[int],
+def _start(gw: Gateway, req, request_id: str, prompts: Sequence[PromptIn],
+           sampling: "pb.common.SamplingParams", param: str) -> list:
+    """n engine requests per prompt (prompt p's ids are `<id>-p<p>...` in a batch)."""
+    handles: list = []
+    try:
+        for p, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-p{p}"
+            handles += gw.start_n(rid, prompt.ids, sampling, req.num_choices, prompt_param=param,
+                                  priority=req.priority, cache_salt=req.cache_salt or "")
+    except BaseException:
+        for handle in handles:
+            handle.abort()
+        raise
+    return handles
+
+
+async def generate(request: Request, gw: Gateway, req, request_id: str,
+                   prompts: list[int] | Sequence[PromptIn],
                    sampling: "pb.common.SamplingParams", spec: ChoiceSpec,
                    timer: RequestTimer) -> Response:
-    """Start `req`'s n choices and answer: JSON, or SSE when it asked to stream. `req` is the
-    parsed CompletionRequest / ChatCompletionRequest (n, stream, usage, priority, salt)."""
+    """Start `req`'s n choices per prompt and answer: JSON, or SSE when it asked to stream.
+    `req` is the parsed CompletionRequest / ChatCompletionRequest (n, stream, usage, priority,
+    salt); `prompts` one prompt's token ids (echoing spec.echo) or a batch of PromptIn."""
+    if not prompts or not isinstance(prompts[0], PromptIn):
+        prompts = [PromptIn(list(prompts), spec.echo)]
     n, stream, model = req.num_choices, bool(req.stream), req.model or gw.model_name
-    include_usage, priority, cache_salt = req.include_usage, req.priority, req.cache_salt or ""
     if not req.return_timing:
         timer = None
-    handles = gw.start_n(request_id, prompt_ids, sampling, n,
-                         prompt_param="messages" if spec.chat else "prompt", priority=priority,
-                         cache_salt=cache_salt)
+    handles = _start(gw, req, request_id, prompts, sampling, "messages" if spec.chat else "prompt")
     if timer is not None:
         track_timing(handles)
-    group = ChoiceGroup(request_id, handles)
+    group = ChoiceGroup(request_id, handles, n)
     request.state.handle = group
-    builders = [ChoiceBuilder(i, spec) for i in range(n)]
-    body = _Body(spec.chat, request_id, model, include_usage, timer)
+    builders = [ChoiceBuilder(p * n + j, spec, echo=prompt.echo, prompt_ids=prompt.ids)
+                for p, prompt in enumerate(prompts) for j in range(n)]
+    body = _Body(spec.chat, request_id, model, req.include_usage, timer,
+                 getattr(req, "continuous_usage", False))
     aiter(group)
     try:
         # Wait for the first step before committing to 200, so early failures get a status.
@@ -133,6 +168,8 @@ async def generate(request: Request, gw: Gateway, req, request_id: str, prompt_i
         raise
     group.abort()
     out = body.envelope(body.whole_object, [b.whole() for b in builders])
+    if spec.chat and spec.return_token_ids:   # vLLM: chat's prompt ids are on the response
+        out["prompt_token_ids"] = prompts[0].ids
     out["usage"] = usage(group)
     if timer is not None:
         out["timing"] = timer.breakdown_of_last(handles)

@@ -15,6 +15,7 @@ from services.common.sampling_rules import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS,
 from services.common.structured import MAX_CHOICES
 from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
+from services.gateway.http.invocations import InvocationRequest
 from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai.responses_protocol import ResponsesRequest
@@ -27,6 +28,8 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/drain": DrainBody,   # admin
+    # One of the bodies above (refs to their refined schemas, so it comes after them).
+    "/invocations": InvocationRequest,
 }
 
 # What every POST may answer besides 200 (docs/security.md lists the limits behind them).
@@ -123,7 +126,8 @@ def build(app: FastAPI) -> dict:
             if name in defs:
                 _bound(defs[name], fields)
                 defs[name].update(_NESTED_SHAPES.get(name, {}))
-        schemas.update(defs)
+        for name, schema_of_def in defs.items():   # a route's own (refined) schema stays
+            schemas.setdefault(name, schema_of_def)
         _refine(model.__name__, schema)
         schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {"application/json": {

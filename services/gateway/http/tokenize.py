@@ -56,8 +56,8 @@ def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
                 tools_json=plan.tools_json,
                 chat_template_kwargs_json=template_kwargs_json(req.chat_template_kwargs))
         strs = None
-        if req.return_token_strs and ids:
-            strs = await gw.tokenizer.decode([[i] for i in ids], False)
+        if req.return_token_strs:   # vLLM: the vocabulary's strings (convert_ids_to_tokens)
+            strs = await gw.tokenizer.convert_ids_to_tokens(ids) if ids else []
         return JSONResponse({"count": len(ids), "max_model_len": gw.max_model_len,
                              "tokens": ids, "token_strs": strs})
 

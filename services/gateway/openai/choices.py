@@ -2,7 +2,10 @@
 
 `ChoiceGroup` multiplexes the engine requests (and duck-types a RequestHandle for the
 request log line and usage); `ChoiceBuilder` turns one choice's Deltas into OpenAI choice
-objects, streamed (chunks) or whole, through the output parser when one is configured."""
+objects, streamed (chunks) or whole, through the output parser when one is configured.
+
+A completions batch (several prompts) is one group too: choice index = prompt_index * n + j,
+as OpenAI numbers them; usage counts each prompt once."""
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +18,12 @@ from services.gateway.parsers import OutputParser, ToolCallDelta
 
 
 class ChoiceGroup:
-    def __init__(self, request_id: str, handles: list[RequestHandle]) -> None:
+    def __init__(self, request_id: str, handles: list[RequestHandle], n: int | None = None) -> None:
+        """`n`: choices per prompt (handles of prompt p are handles[p*n:(p+1)*n]); default: all
+        handles share one prompt."""
         self.request_id = request_id
         self.handles = handles
+        self._firsts = handles[::n or len(handles) or 1]  # one handle per prompt
         # Every handle puts its (choice index, Delta) pairs straight into this queue.
         self._queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         for i, handle in enumerate(handles):
@@ -26,7 +32,7 @@ class ChoiceGroup:
     # -- what the request log line and usage read ---------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
-        return self.handles[0].num_prompt_tokens
+        return sum(h.num_prompt_tokens for h in self._firsts)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -34,7 +40,7 @@ class ChoiceGroup:
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.handles[0].num_cached_tokens
+        return sum(h.num_cached_tokens for h in self._firsts)
 
     @property
     def finish_reason(self) -> str | None:
@@ -66,8 +72,10 @@ class ChoiceGroup:
 class ChoiceSpec:
     chat: bool
     logprobs: bool                                  # return logprobs
-    echo: str = ""                                  # completions: prompt text to prefix
+    echo: str = ""                                  # text to prefix (completions: the prompt)
     new_parser: Callable[[], OutputParser | None] = lambda: None
+    role: str = "assistant"                         # chat: the answer's role (vLLM's rule)
+    return_token_ids: bool = False                  # vLLM: prompt_token_ids / token_ids
 
 
 def _tool_call_json(tc: ToolCallDelta) -> dict:
@@ -78,14 +86,21 @@ def _tool_call_json(tc: ToolCallDelta) -> dict:
 
 
 class ChoiceBuilder:
-    def __init__(self, index: int, spec: ChoiceSpec) -> None:
+    def __init__(self, index: int, spec: ChoiceSpec, *, echo: str | None = None,
+                 prompt_ids: list[int] | None = None) -> None:
+        """`echo` and `prompt_ids`: this choice's own (a batch's prompts differ); `echo`
+        defaults to the spec's."""
         self.index, self.spec = index, spec
+        self.echo = spec.echo if echo is None else echo
+        self.prompt_ids = list(prompt_ids or [])
         self.parser = spec.new_parser() if spec.chat else None
         self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self._prompt_ids_sent = False
         self.lps: list = []
         self.strings: dict[int, str] = {}
         self.lp_parts: list[dict] = []
-        self.completion_lp = CompletionLogprobs(len(spec.echo))
+        self.completion_lp = CompletionLogprobs(len(self.echo))
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.done = False
@@ -97,22 +112,39 @@ class ChoiceBuilder:
             self.finish_reason = "tool_calls"
 
     # -- streaming ------------------------------------------------------------------------
-    def opening(self) -> list[dict]:
+    def opening(self) -> list[tuple[dict, dict]]:
+        """The chunks sent before any output: (choice, extra top-level fields of its chunk).
+        Chat: the role, then the echo; vLLM puts prompt_token_ids on the role chunk."""
         if self.spec.chat:
-            return [{"index": self.index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}]
-        if self.spec.echo:
-            return [{"index": self.index, "text": self.spec.echo, "logprobs": None,
-                     "finish_reason": None}]
+            top = {"prompt_token_ids": self.prompt_ids} if self.spec.return_token_ids else {}
+            out = [({"index": self.index, "delta": {"role": self.spec.role, "content": ""},
+                     "logprobs": None, "finish_reason": None}, top)]
+            if self.echo:
+                out.append(({"index": self.index, "delta": {"content": self.echo},
+                             "logprobs": None, "finish_reason": None}, {}))
+            return out
+        if self.echo:
+            return [(self._with_token_ids({"index": self.index, "text": self.echo,
+                                           "logprobs": None, "finish_reason": None}, []), {})]
         return []
+
+    def _with_token_ids(self, choice: dict, token_ids: list[int]) -> dict:
+        """A completions chunk's vLLM token fields: prompt_token_ids on the choice's first."""
+        if self.spec.return_token_ids:
+            if not self._prompt_ids_sent:
+                choice["prompt_token_ids"] = self.prompt_ids
+                self._prompt_ids_sent = True
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def stream(self, delta: Delta) -> list[dict]:
         """The choice objects (one per chunk) for one Delta."""
         want_lp = self.spec.logprobs and bool(delta.logprobs)
+        want_ids = self.spec.return_token_ids and bool(delta.token_ids)
         if not self.spec.chat:
             if delta.last:
                 self._finish(delta)
-            if not (delta.text or delta.last or want_lp):
+            if not (delta.text or delta.last or want_lp or want_ids):
                 return []
             choice = {"index": self.index, "text": delta.text,
                       "logprobs": (self.completion_lp.chunk(delta.logprobs, delta.token_strings)
@@ -120,7 +152,7 @@ class ChoiceBuilder:
                       "finish_reason": self.finish_reason}
             if delta.last:
                 choice["stop_reason"] = self.stop_reason
-            return [choice]
+            return [self._with_token_ids(choice, delta.token_ids)]
         if self.parser is None:
             pieces = [{"content": delta.text}] if delta.text else []
         else:
@@ -135,10 +167,13 @@ class ChoiceBuilder:
             pieces += [{"tool_calls": [_tool_call_json(tc)]} for tc in parsed.tool_calls]
         if delta.last:
             self._finish(delta)
-        if not pieces and (want_lp or delta.last):
+        if not pieces and (want_lp or want_ids or delta.last):
             pieces = [{}]
         choices = [{"index": self.index, "delta": p, "logprobs": None, "finish_reason": None}
                    for p in pieces]
+        if self.spec.return_token_ids:   # the delta's tokens on its first chunk
+            for i, choice in enumerate(choices):
+                choice["token_ids"] = list(delta.token_ids) if i == 0 else []
         if want_lp:
             choices[0]["logprobs"] = {"content": chat_content(delta.logprobs, delta.token_strings)}
         if delta.last:
@@ -149,6 +184,7 @@ class ChoiceBuilder:
     # -- whole ----------------------------------------------------------------------------
     def add(self, delta: Delta) -> None:
         self.parts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
         if self.spec.logprobs and delta.logprobs:
             if self.spec.chat:
                 self.lps.extend(delta.logprobs)
@@ -160,11 +196,13 @@ class ChoiceBuilder:
 
     def whole(self) -> dict:
         text = "".join(self.parts)
+        ids = ({"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids}
+               if self.spec.return_token_ids else {})
         if not self.spec.chat:
-            return {"index": self.index, "text": self.spec.echo + text,
+            return {"index": self.index, "text": self.echo + text,
                     "logprobs": merge_completion(self.lp_parts) if self.spec.logprobs else None,
-                    "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
-        message: dict = {"role": "assistant", "content": text}
+                    "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, **ids}
+        message: dict = {"role": self.spec.role, "content": text}
         if self.parser is not None:
             parsed = self.parser.parse(text)
             message["content"] = parsed.content if parsed.content or not parsed.tool_calls else None
@@ -176,7 +214,12 @@ class ChoiceBuilder:
                     for c in parsed.tool_calls]
                 if self.finish_reason == "stop":
                     self.finish_reason = "tool_calls"
-        return {"index": self.index, "message": message,
-                "logprobs": ({"content": chat_content(self.lps, self.strings)}
-                             if self.spec.logprobs else None),
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+        if self.echo:   # vLLM: the echo prefixes the parsed content
+            message["content"] = self.echo + (message["content"] or "")
+        out = {"index": self.index, "message": message,
+               "logprobs": ({"content": chat_content(self.lps, self.strings)}
+                            if self.spec.logprobs else None),
+               "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+        if self.spec.return_token_ids:   # chat: prompt_token_ids is on the response, not the choice
+            out["token_ids"] = self.token_ids
+        return out

@@ -6,13 +6,13 @@ import json
 
 
 def usage(handle) -> dict:
-    """OpenAI usage of a RequestHandle or a ChoiceGroup (prompt counted once)."""
-    out = {"prompt_tokens": handle.num_prompt_tokens,
-           "completion_tokens": handle.num_completion_tokens,
-           "total_tokens": handle.num_prompt_tokens + handle.num_completion_tokens}
-    if handle.num_cached_tokens:
-        out["prompt_tokens_details"] = {"cached_tokens": handle.num_cached_tokens}
-    return out
+    """OpenAI usage of a RequestHandle or a ChoiceGroup (each prompt counted once). The shape
+    never depends on the cache: prompt_tokens_details.cached_tokens is always there (0 when
+    nothing was cached; the count is the engine's, OutputBatch.num_cached_tokens)."""
+    return {"prompt_tokens": handle.num_prompt_tokens,
+            "completion_tokens": handle.num_completion_tokens,
+            "total_tokens": handle.num_prompt_tokens + handle.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": handle.num_cached_tokens}}
 
 
 def sse(obj: dict | str) -> str:

@@ -26,9 +26,14 @@ MAX_TOOLS_DEPTH = 32            # nesting inside `tools` (JSON schemas of the pa
 
 
 
+MAX_BATCH_PROMPTS = 64         # completions: prompts in one request
+MAX_BATCH_CHOICES = 256        # completions: prompts x n engine requests in one request
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: usage on every chunk (needs include_usage)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -112,6 +117,11 @@ class _SamplingFields(_IgnoredOpenAIFields):
     priority: int = 0                 # extra body (vLLM): lower runs first under --scheduling-policy priority
     cache_salt: str | None = None     # extra body (vLLM): prefix-cache isolation between tenants
     return_timing: bool = False       # extra body: a `timing` breakdown in the response (timing.py)
+    # extra body (vLLM): prompt_token_ids and token_ids in the response and its chunks
+    return_token_ids: bool | None = None
+    # extra body (vLLM): keep k prompt tokens (-1 = the context length); which end is kept
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None     # extra body (vLLM)
     # vLLM's older spellings of structured_outputs' json / regex / choice / grammar.
@@ -194,6 +204,17 @@ class _SamplingFields(_IgnoredOpenAIFields):
         """Refuse what OpenAI has and we do not do (the rulebook has the ranges)."""
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of={self.best_of} is not supported yet: only 1 is", "best_of")
+        if self.stream_options is not None and not self.stream:
+            # OpenAI and vLLM answer 400 too: the options only shape a stream.
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        if self.truncate_prompt_tokens is not None:
+            check_int32("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < -1 or self.truncate_prompt_tokens == 0:
+                raise invalid("truncate_prompt_tokens must be -1 (the context length) or a "
+                              f"positive count, got {self.truncate_prompt_tokens}",
+                              "truncate_prompt_tokens")
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise invalid("truncation_side needs truncate_prompt_tokens", "truncation_side")
 
     def to_sampling(self) -> "pb.common.SamplingParams":
         """The engine's SamplingParams, not yet range-checked (gw.check_sampling with
@@ -252,27 +273,46 @@ class _SamplingFields(_IgnoredOpenAIFields):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def _is_token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any  # required; str | list[int], checked below for a clear message
+    # required: a string, a list of token ids, or a batch (a list of strings or of token-id
+    # lists); checked below for a clear message
+    prompt: Any
     echo: bool | None = False
     suffix: str | None = None
     logprobs: int | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_shape(cls, v: Any) -> str | list[int]:
-        """One prompt: a string or a list of token ids (a one-element batch is unwrapped)."""
+    def _prompt_shape(cls, v: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """One prompt, or a batch of them (a one-element batch is unwrapped)."""
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
             v = v[0]
-        if isinstance(v, str):
+        if isinstance(v, str) or _is_token_ids(v):
             return v
-        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if isinstance(v, list) and (all(isinstance(p, str) for p in v)
+                                    or all(isinstance(p, list) and _is_token_ids(p) for p in v)):
+            if len(v) > MAX_BATCH_PROMPTS:
+                raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(v)}")
             return v
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError("a batch of several prompts is not supported yet: "
-                             "send one prompt per request")
-        raise ValueError("must be a string or a list of token ids")
+        raise ValueError("must be a string, a list of token ids, a list of strings or a list of "
+                         "token-id lists")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt, each a string or a list of token ids."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -281,6 +321,9 @@ class CompletionRequest(_SamplingFields):
         if self.echo and self.logprobs is not None:
             raise invalid("echo together with logprobs (prompt logprobs) is not supported yet; "
                           "use one or the other", "echo")
+        choices = len(self.prompts) * self.num_choices
+        if len(self.prompts) > 1 and choices > MAX_BATCH_CHOICES:
+            raise invalid(f"prompts x n must be at most {MAX_BATCH_CHOICES}, got {choices}", "n")
 
     def _logprobs(self) -> int | None:
         return self.logprobs
@@ -326,6 +369,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None   # OpenAI; accepted, not used by our templates
+    # extra body (vLLM): prefix the answer with the last message's content when that message
+    # is the turn being answered (its role is the response's role)
+    echo: bool = False
     LOGPROBS_PARAM: ClassVar[str] = "top_logprobs"
 
     def _effective_max_tokens(self) -> int | None:
@@ -347,6 +393,18 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's role of the answer: the assistant's after a generation prompt, else the last
+        message's (the turn that is being continued)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """What `echo` prefixes (vLLM): the last message's content if its role is the response's."""
+        if not self.echo or not self.messages or self.messages[-1].role != self.response_role:
+            return ""
+        return self.messages[-1].text(len(self.messages) - 1)
 
     def to_chat_messages(self) -> list["pb.common.ChatMessage"]:
         return [pb.common.ChatMessage(
