@@ -10,6 +10,7 @@ import random
 import pytest
 
 from services.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, make_output_parser
+from tests.unit import test_parsers_golden
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 CALL2 = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
@@ -48,6 +49,9 @@ GOLDEN = {
     ],
     ("deepseek_r1", "llama3_json"): [f"hmm</think>{L3}", "hmm</think>answer", "all reasoning"],
 }
+# The newer formats' golden outputs (with their expected parses) live in test_parsers_golden.
+for key, rows in test_parsers_golden.GOLDEN.items():
+    GOLDEN.setdefault(key, []).extend(text for text, _ in rows)
 CASES = [(r, t, text) for (r, t), texts in GOLDEN.items() for text in texts]
 
 
@@ -57,7 +61,10 @@ def _ids():
 
 
 def _parser(reasoning, tool, allowed=None):
-    return make_output_parser(reasoning, tool, allowed_tools=allowed, id_factory=_ids())
+    if allowed is None and (reasoning, tool) in test_parsers_golden.GOLDEN:
+        allowed = test_parsers_golden.ALLOWED
+    return make_output_parser(reasoning, tool, allowed_tools=allowed, id_factory=_ids(),
+                              tools=test_parsers_golden.TOOLS)
 
 
 def _whole(reasoning, tool, text, allowed=None):
