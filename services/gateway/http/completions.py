@@ -11,7 +11,7 @@ from services.gateway.errors import invalid
 from services.gateway.http.body import read_body
 from services.gateway.http.generate import PromptIn, generate
 from services.gateway.ids import new_request_id
-from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
+from services.gateway.openai.chat_tools import decode_for_parsers, plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceSpec
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.openai.truncation import truncate_prompt
@@ -100,10 +100,12 @@ async def create_chat_completion(request: Request, gw: Gateway, body: bytes,
     timer.tokenize_done(t0)
     prompt_ids = _truncated(gw, req, prompt_ids)
     tool_parser = cfg.tool_call_parser if plan.parse_tool_calls else None
+    decode_for_parsers(sampling, cfg.reasoning_parser, tool_parser)
     spec = ChoiceSpec(chat=True, logprobs=bool(req.logprobs), echo=req.echo_text(),
                       role=req.response_role, return_token_ids=bool(req.return_token_ids),
                       new_parser=lambda: make_output_parser(cfg.reasoning_parser, tool_parser,
-                                                            allowed_tools=plan.allowed_names))
+                                                            allowed_tools=plan.allowed_names,
+                                                            tools=req.tools))
     return await generate(request, gw, req, new_request_id("chatcmpl"), prompt_ids, sampling,
                           spec, timer)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import invalid
+from services.gateway.parsers import needs_special_tokens
 
 MAX_TOOLS = 128
 
@@ -46,7 +47,7 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, tool_parser: str | No
         raise invalid(f"tool_choice {choice!r} needs a non-empty tools list", "tool_choice")
     if not tool_parser:
         raise invalid("tool calling needs the server started with --tool-call-parser "
-                      "(hermes or llama3_json)", "tools")
+                      "(docs/parsers.md lists them)", "tools")
     if choice in ("auto", "required"):
         return ToolPlan(json.dumps(tools), True, set(names), forced=choice == "required")
     if isinstance(choice, dict) and choice.get("type") == "function" \
@@ -69,3 +70,11 @@ def template_kwargs_json(kwargs: dict[str, Any] | None) -> str:
         return json.dumps(kwargs)
     except (TypeError, ValueError) as e:
         raise invalid(f"chat_template_kwargs must be plain JSON: {e}", "chat_template_kwargs")
+
+
+def decode_for_parsers(sampling, reasoning_parser: str | None, tool_parser: str | None) -> None:
+    """Keep special tokens in the decoded text when the request's parsers read markers that are
+    special tokens (Mistral's [TOOL_CALLS], Kimi K2's call sections, gpt-oss's harmony channels):
+    skipped, they would never reach the parser. `sampling`: the request's pb SamplingParams."""
+    if needs_special_tokens(reasoning_parser, tool_parser):
+        sampling.skip_special_tokens = False
