@@ -8,6 +8,7 @@ from services.gateway.http.admin import add_admin_routes
 from services.gateway.http.completions import add_completion_routes
 from services.gateway.http.errors import install_error_handlers
 from services.gateway.http.invocations import add_invocation_routes
+from services.gateway.http.messages import add_message_routes
 from services.gateway.http.models import add_model_routes
 from services.gateway.http.openapi import install as install_openapi
 from services.gateway.http.profile import add_profile_routes
@@ -24,6 +25,7 @@ def create_app(gw: Gateway) -> FastAPI:
     install_error_handlers(app)
     add_model_routes(app, gw)
     add_completion_routes(app, gw)
+    add_message_routes(app, gw)
     add_responses_routes(app, gw)
     add_tokenize_routes(app, gw)
     add_tokenizer_info_routes(app, gw)

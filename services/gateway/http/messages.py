@@ -1,0 +1,161 @@
+"""Anthropic's Messages API: `POST /v1/messages` (whole or streamed) and
+`POST /v1/messages/count_tokens`, over the chat path (tokenize_chat, start_n, the output
+parsers, the forced-tool grammar). Every failure on these routes answers in Anthropic's
+error shape (anthropic/errors.py); `x-api-key` is read by guard/auth.py."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.gateway.anthropic.convert import (ChatPrompt, chat_prompt, new_message_id,
+                                               new_tool_use_id)
+from services.gateway.anthropic.errors import error_body, error_event
+from services.gateway.anthropic.events import MessageBuilder, usage
+from services.gateway.anthropic.protocol import CountTokensRequest, MessagesRequest, PromptRequest
+from services.gateway.clients.request_handle import Delta
+from services.gateway.errors import ApiError, invalid
+from services.gateway.http.body import ClientGone, read_body, watch
+from services.gateway.http.sse import SSEResponse, coalesce
+from services.gateway.openai.choices import ChoiceGroup
+from services.gateway.openai.protocol import parse_body
+from services.gateway.openai.tool_grammar import tool_call_grammar
+from services.gateway.parsers import make_output_parser
+from services.gateway.service import Gateway
+
+log = logging.getLogger("meshllm.gateway.http")
+
+
+def _error(request: Request, err: ApiError) -> JSONResponse:
+    request.state.outcome = f"error:{err.kind}"
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
+    rid = getattr(request.state, "request_id", None)
+    return JSONResponse(error_body(err, rid), status_code=err.http_status, headers=headers)
+
+
+async def _prompt_ids(gw: Gateway, req: PromptRequest, prompt: ChatPrompt) -> list[int]:
+    return await gw.tokenize_chat(prompt.messages, prompt.add_generation_prompt,
+                                  prompt.continue_final_message, tools_json=prompt.plan.tools_json,
+                                  chat_template_kwargs_json=prompt.template_kwargs_json)
+
+
+async def _stream(builder: MessageBuilder, group: ChoiceGroup, first: tuple[int, Delta],
+                  state) -> AsyncIterator[str]:
+    """The events, joined per wake-up: the deltas queued by then are coalesced."""
+    try:
+        parts = builder.opening(usage(group))
+        pending = coalesce([first, *group.ready()])
+        while True:
+            for _, delta in pending:
+                if delta.error is not None:
+                    if state.outcome != "client_disconnected":
+                        state.outcome = f"error:{delta.error.kind}"
+                    yield "".join(parts) + error_event(delta.error, getattr(state, "request_id", None))
+                    return
+                parts += builder.stream(delta)
+                if builder.done:
+                    yield "".join(parts + builder.closing(usage(group)))
+                    return
+            if parts:
+                yield "".join(parts)
+                parts = []
+            pending = coalesce([await anext(group), *group.ready()])
+    except asyncio.CancelledError:
+        state.outcome = "client_disconnected"
+        raise
+    finally:
+        group.abort()  # no-op once finished; stops the engine request otherwise
+
+
+async def _collect(builder: MessageBuilder, group: ChoiceGroup, first: tuple[int, Delta]) -> None:
+    delta = first[1]
+    while True:
+        if delta.error is not None:
+            raise delta.error
+        builder.add(delta)
+        if builder.done:
+            return
+        delta = (await anext(group))[1]
+
+
+async def _create(request: Request, gw: Gateway) -> Response:
+    cfg = gw.config
+    req = parse_body(MessagesRequest, await read_body(request, cfg.max_body_bytes))
+    gw.check_model(req.model)
+    sampling = req.to_sampling()
+    prompt = chat_prompt(req, cfg.tool_call_parser, cfg.reasoning_parser)
+    structured_param = "output_config"
+    if prompt.plan.forced:   # any / tool: the output is tool calls, enforced by a grammar
+        if sampling.HasField("structured"):
+            raise invalid(f"tool_choice {req.tool_choice.type!r} already constrains the output: "
+                          "it cannot be combined with output_config.format", "tool_choice")
+        structured_param = "tool_choice"
+        sampling.structured.grammar = tool_call_grammar(
+            prompt.tools, prompt.plan.allowed_names, cfg.tool_call_parser, cfg.reasoning_parser,
+            parallel=prompt.parallel_tool_calls)
+    # Before any tokenizer work, as chat does.
+    await gw.check_sampling(sampling, req.rule_options(), structured_param)
+    prompt_ids = await _prompt_ids(gw, req, prompt)
+    message_id = new_message_id()
+    handles = gw.start_n(message_id, prompt_ids, sampling, 1, prompt_param="messages")
+    group = ChoiceGroup(message_id, handles)
+    request.state.handle = group
+    tool_parser = cfg.tool_call_parser if prompt.plan.parse_tool_calls else None
+    parser = make_output_parser(cfg.reasoning_parser, tool_parser,
+                                allowed_tools=prompt.plan.allowed_names,
+                                id_factory=new_tool_use_id)
+    omit = getattr(req.thinking, "display", None) == "omitted"
+    builder = MessageBuilder(message_id, req.model, parser, req.thinking_on, omit)
+    aiter(group)
+    try:
+        # Wait for the first step before committing to 200, so early failures get a status.
+        first = await watch(request, group, anext(group))
+        if first[1].error is not None:
+            group.abort()
+            raise first[1].error
+        if req.stream:
+            def on_disconnect() -> None:
+                request.state.outcome = "client_disconnected"
+                group.abort()
+
+            return SSEResponse(_stream(builder, group, first, request.state),
+                               on_disconnect=on_disconnect, headers={"Cache-Control": "no-cache"})
+        await watch(request, group, _collect(builder, group, first))
+    except ClientGone:
+        request.state.outcome = "client_disconnected"
+        return Response(status_code=499)
+    except BaseException:
+        group.abort()
+        raise
+    group.abort()
+    return JSONResponse(builder.message(usage(group)))
+
+
+async def _count_tokens(request: Request, gw: Gateway) -> Response:
+    cfg = gw.config
+    req = parse_body(CountTokensRequest, await read_body(request, cfg.max_body_bytes))
+    gw.check_model(req.model)
+    prompt = chat_prompt(req, cfg.tool_call_parser, cfg.reasoning_parser)
+    return JSONResponse({"input_tokens": len(await _prompt_ids(gw, req, prompt))})
+
+
+def add_message_routes(app: FastAPI, gw: Gateway) -> None:
+    async def answer(request: Request, handler) -> Response:
+        try:
+            return await handler(request, gw)
+        except ApiError as err:
+            return _error(request, err)
+        except Exception:
+            log.exception("internal error")
+            return _error(request, ApiError("internal", "internal server error"))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await answer(request, _create)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await answer(request, _count_tokens)
