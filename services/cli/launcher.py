@@ -59,6 +59,9 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
             raise ValueError(f"{self.model_dir!r} is not a model directory (no config.json)")
+        if not self.simulate_worker:   # an architecture the worker cannot serve: before any process
+            from services.common.model_architectures import check_model_dir
+            check_model_dir(self.model_dir)
         if self.embedding_model_dir and not os.path.isfile(
                 os.path.join(self.embedding_model_dir, "config.json")):
             raise ValueError(f"--embedding-model {self.embedding_model_dir!r} is not a model "

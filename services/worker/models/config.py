@@ -5,10 +5,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.model_architectures import SERVED_MODEL_TYPES, unserved_reason
+
 # model_type values whose checkpoints follow the Llama layout (same weight names, RoPE,
 # RMSNorm, SiLU·mul MLP, GQA). Qwen2 = Llama + qkv bias; Qwen3 = Llama + per-head RMSNorm of q
 # and k before RoPE (q_norm / k_norm). They load through the same path.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = SERVED_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -100,6 +102,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ModelConfigError(f"{path} not found")
     cfg = json.loads(path.read_text())
+    reason = unserved_reason(cfg) if isinstance(cfg, dict) else "config.json is not a JSON object"
+    if reason:     # before any other field: another family's config may lack them
+        raise ModelConfigError(reason)
     # Some multimodal / newer configs nest the text model; Llama-family ones do not.
     cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
     num_heads = int(cfg["num_attention_heads"])
