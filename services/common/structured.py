@@ -84,10 +84,41 @@ def parser_limits():
                           max_lexer_states=100_000, max_grammar_size=200_000)
 
 
+NO_OUTPUT = "the grammar admits no output (e.g. a $ref cycle that never reaches a value)"
+
+
+class _ByteTokens:
+    """A 256-byte vocabulary plus EOS: enough for llguidance to compute a real first mask."""
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@lru_cache(maxsize=1)
+def _byte_tokenizer():
+    from llguidance import LLTokenizer, TokenizerWrapper
+    return LLTokenizer(TokenizerWrapper(_ByteTokens()))
+
+
 @lru_cache(maxsize=512)
 def _validate_grammar(grammar: str) -> str:
+    """The engine's verdict, then a probe: the first mask over a byte vocabulary (about 1 ms),
+    which catches what validation alone passes but no model could ever emit (a schema that is
+    only a $ref cycle): such a grammar would end every request at once with an empty output."""
+    import numpy as np
     from llguidance import LLMatcher
-    return LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
+    from llguidance.numpy import fill_next_token_bitmask
+    error = LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
+    if error:
+        return error
+    m = LLMatcher(_byte_tokenizer(), grammar, limits=parser_limits())
+    if not m.is_error():
+        fill_next_token_bitmask(m, np.zeros((1, 9), dtype=np.int32), 0)   # 257 tokens: 9 words
+    return NO_OUTPUT if m.is_error() else ""
 
 
 def check(so) -> None:

@@ -97,3 +97,15 @@ def test_cache_salt_from_the_http_body_isolates_the_prefix_cache(mesh):
     hits_after("tenant-a")
     assert hits_after("tenant-b") == 0, "another tenant's salt must not hit tenant-a's blocks"
     assert hits_after("tenant-a") >= 16 * 5
+
+
+def test_structured_outputs_validate_without_async_scheduling_and_with_16_token_chunks(plain_mesh):
+    """The schema battery on the synchronous, one-sequence, 16-token-chunk mesh: every prompt is
+    prefilled in several chunks before its first constrained token."""
+    from openai import OpenAI
+
+    from tests.integration import structured_battery as battery
+    client = OpenAI(base_url=f"{plain_mesh.http_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    for name in ("nested", "any_of", "formats"):   # the whole battery runs on the async mesh
+        assert battery.run_whole(client, plain_mesh.model_name, name) == 2
+    assert battery.run_streamed(client, plain_mesh.model_name, "array") == 2

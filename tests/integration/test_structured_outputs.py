@@ -1,6 +1,8 @@
 """Structured outputs through the running mesh: the gateway refuses a bad constraint the same way
 over HTTP (400, naming the field) and gRPC (INVALID_ARGUMENT, the same message), before any
-tokenizer or engine work."""
+tokenizer or engine work; hostile constraints are refused quickly while the mesh keeps serving;
+constrained outputs (a battery of schemas, regex, choice, json_object) follow their constraint,
+whole and streamed, with n=2."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ import httpx
 import pytest
 
 from services.common import pb
+from tests.integration import structured_battery as battery
 
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
 
@@ -118,3 +121,53 @@ def test_a_streamed_json_schema_output_validates(http, mesh):
                 for choice in json.loads(line[6:])["choices"]:
                     text += choice["delta"].get("content") or ""
     jsonschema.validate(json.loads(text), PERSON)
+
+
+# ---- a battery of schemas: whole and streamed, n=2 ----------------------------------------------
+@pytest.fixture(scope="module")
+def client(mesh):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.mark.parametrize("name", sorted(battery.SCHEMAS))
+def test_every_schema_of_the_battery_validates_whole_and_streamed_with_n2(client, mesh, name):
+    assert battery.run_whole(client, mesh.model_name, name) == 2
+    assert battery.run_streamed(client, mesh.model_name, name) == 2
+
+
+# ---- hostile constraints: a 400 within a bound, and the mesh keeps serving ----------------------
+HOSTILE = {
+    "huge": {"response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}},
+    "deep": {"guided_json": json.loads('{"type": "object", "properties": {"a": ' * 40 + '{"type": "string"}'
+                                       + "}}" * 40)},
+    "ref_cycle": {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                  "$ref": "#/$defs/a"}},
+    "bad_regex": {"guided_regex": "(a" * 2000},
+    "unsatisfiable": {"guided_json": {"type": "integer", "minimum": 5, "maximum": 3}},
+}
+
+
+def test_hostile_constraints_are_refused_quickly_while_the_mesh_keeps_serving(http, mesh):
+    import concurrent.futures as cf
+    import time
+
+    def free_text() -> str:
+        r = http.post("/v1/completions", json={"model": mesh.model_name, "prompt": "The sea is",
+                                               "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    want = free_text()
+    with cf.ThreadPoolExecutor(4) as pool:
+        background = [pool.submit(free_text) for _ in range(4)]
+        for name, fields in HOSTILE.items():
+            t0 = time.monotonic()
+            r = http.post("/v1/chat/completions", json={"model": mesh.model_name, "messages": ASK,
+                                                        "max_tokens": 8, **fields})
+            took = time.monotonic() - t0
+            assert r.status_code == 400, (name, r.text)
+            assert r.json()["error"]["message"], name
+            assert took < 5.0, f"{name}: refused after {took:.1f} s"
+        assert [f.result(timeout=120) for f in background] == [want] * 4

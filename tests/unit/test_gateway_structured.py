@@ -11,7 +11,7 @@ import pytest
 
 from services.common import pb
 from services.common.sampling_rules import RequestOptions
-from services.common.structured import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
+from services.common.structured import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH, NO_OUTPUT
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -231,3 +231,28 @@ def test_the_openapi_document_describes_response_format_and_structured_outputs(g
     assert so["maxProperties"] == 1 and set(so["properties"]) == {"json", "regex", "choice", "grammar",
                                                                    "json_object"}
     assert so["properties"]["choice"]["anyOf"][0]["minItems"] == 1
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},                                                             # itself, forever
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+])
+def test_a_ref_cycle_that_never_reaches_a_value_is_refused(schema, gateway):
+    """The engine's validation passes these; the probe (a first mask over bytes) does not: left to
+    the worker, every such request would end at once with an empty output."""
+    err = refusal(lambda: checked(gateway, chat(guided_json=schema)))
+    assert err["message"] == "invalid json_schema constraint: " + NO_OUTPUT and err["param"] == "guided_json"
+
+
+def test_recursive_schemas_and_backtracking_regexes_are_served_within_a_bound(gateway):
+    """A real recursive schema (a tree) is fine, and so are regexes that are catastrophic for a
+    backtracking matcher: llguidance's lexer is derivative-based (no backtracking) and its fuel
+    bounds every step (parser_limits), so they are checked in milliseconds."""
+    import time
+    tree = {"$defs": {"n": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 2}}}}, "$ref": "#/$defs/n"}
+    for req in (chat(guided_json=tree), chat(guided_regex="(a+)+$"), chat(guided_regex="((a|aa)*)*b"),
+                chat(guided_regex="[ab]*a[ab]{20}")):
+        t0 = time.perf_counter()
+        assert checked(gateway, req).HasField("structured")
+        assert time.perf_counter() - t0 < 2.0
