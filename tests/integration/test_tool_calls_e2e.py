@@ -143,3 +143,34 @@ def test_a_forced_tool_choice_with_another_constraint_is_a_400(client, tool_mesh
                                        tool_choice="required", response_format={"type": "json_object"},
                                        max_tokens=8)
     assert "tool_choice" in str(err.value)
+
+
+def _streamed_calls(chunks):
+    """{index: [first delta, later deltas]} of a streamed response's tool calls."""
+    calls: dict[int, list] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            calls.setdefault(tc.index, []).append(tc)
+    return calls
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_streamed_arguments_arrive_in_fragments_as_they_are_generated(client, tool_mesh, forced):
+    # Free (the one-shot example) and forced by tool_choice's grammar: either way the first delta
+    # names the call and the arguments follow in several fragments that assemble to the JSON.
+    args = (dict(messages=CHAT, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                 parallel_tool_calls=False, max_tokens=96) if forced else
+            dict(messages=MESSAGES, tools=TOOLS, max_tokens=40))
+    chunks = list(client.chat.completions.create(model=tool_mesh.model_name, temperature=0, stream=True, **args))
+    [(index, deltas)] = _streamed_calls(chunks).items()
+    first, rest = deltas[0], deltas[1:]
+    assert first.id and first.type == "function" and first.function.name == ("add" if forced else "get_weather")
+    assert first.function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in rest)
+    fragments = [d.function.arguments for d in rest if d.function.arguments]
+    assert len(fragments) > 1, fragments
+    arguments = json.loads("".join(fragments))
+    if forced:
+        _assert_valid_calls([("add", json.dumps(arguments))], {"add"})
+    else:
+        assert arguments == {"city": "Paris"}
