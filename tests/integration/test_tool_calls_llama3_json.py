@@ -1,0 +1,51 @@
+"""tool_choice required / named with the llama3_json tool-call parser: a second gateway
+(--tool-call-parser llama3_json) in front of the shared mesh. The forced output is Llama 3's JSON
+call format ({"name": ..., "parameters": {...}}); every returned call parses, names an allowed tool
+and validates against its schema, whole and streamed."""
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.gateway_proc import start_gateway
+from tests.integration.test_tool_calls_e2e import CHAT, FORCED_TOOLS, _assert_valid_calls
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    gw = start_gateway(mesh, "--tool-call-parser", "llama3_json")
+    yield OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="unused", timeout=120, max_retries=0)
+    gw.stop()
+
+
+@pytest.mark.parametrize("tool_choice,allowed", [
+    ("required", {"get_weather", "add"}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+])
+def test_forced_llama3_json_calls_parse_and_validate(client, mesh, tool_choice, allowed):
+    r = client.chat.completions.create(model=mesh.model_name, messages=CHAT, tools=FORCED_TOOLS,
+                                       tool_choice=tool_choice, max_tokens=96, temperature=0,
+                                       parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content
+    _assert_valid_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], allowed)
+
+
+def test_forced_llama3_json_calls_stream_and_validate_with_parallel_calls_allowed(client, mesh):
+    chunks = list(client.chat.completions.create(
+        model=mesh.model_name, messages=CHAT, tools=FORCED_TOOLS, tool_choice="required", max_tokens=128,
+        temperature=0.8, seed=3, stream=True))
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(tc.index, ["", ""])
+            if tc.function:
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    if finish == ["length"]:      # several calls allowed: the last may be cut; the complete ones count
+        calls.popitem()
+    else:
+        assert finish == ["tool_calls"]
+    _assert_valid_calls([tuple(v) for v in calls.values()], {"get_weather", "add"})
