@@ -250,6 +250,7 @@ def test_tokenizer_info_shows_the_tokenizer_config(http, smollm2_dir):
 
 
 def test_invocations_route_by_body_shape(http, mesh):
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
     chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], **GREEDY})
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
     cmpl = http.post("/invocations", json={"prompt": PROMPTS[0], **GREEDY})

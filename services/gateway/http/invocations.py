@@ -1,5 +1,6 @@
-"""`POST /invocations` (SageMaker's one inference route, as vLLM serves it): the body's shape
-picks the route. `messages` -> chat completions, `prompt` -> completions, `input` ->
+"""`POST /invocations` and `GET|POST /ping` (SageMaker's inference and health routes, as vLLM
+serves them). /ping answers as /health (open, like it). In /invocations the body's shape picks
+the route. `messages` -> chat completions, `prompt` -> completions, `input` ->
 embeddings; that route then validates the body as its own (the same 400s). A body that is none
 of them is a 400 naming what would be accepted."""
 from __future__ import annotations
@@ -46,6 +47,12 @@ def route_of(body: bytes) -> str:
 
 
 def add_invocation_routes(app: FastAPI, gw: Gateway) -> None:
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        if gw.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         timer = RequestTimer()

@@ -1,0 +1,74 @@
+"""The pure parts of vLLM's extra fields: prompt truncation, the /invocations dispatch, batch
+prompts, stream_options without stream, chat echo and the answer's role."""
+import json
+
+import pytest
+
+from services.gateway.errors import ApiError
+from services.gateway.http.invocations import route_of
+from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.openai.truncation import truncate_prompt
+
+
+def param_of(fn, *args) -> str:
+    with pytest.raises(ApiError) as exc:
+        fn(*args)
+    assert exc.value.http_status == 400
+    return exc.value.to_openai()["error"]["param"]
+
+
+def test_truncation_keeps_the_last_tokens_by_default_or_the_first_on_the_right():
+    ids = list(range(10))
+    assert truncate_prompt(ids, 3, None, 100) == [7, 8, 9]
+    assert truncate_prompt(ids, 3, "left", 100) == [7, 8, 9]
+    assert truncate_prompt(ids, 3, "right", 100) == [0, 1, 2]
+    assert truncate_prompt(ids, None, None, 100) == ids
+    assert truncate_prompt(ids, 50, None, 100) == ids
+    assert truncate_prompt(ids, -1, None, 4) == [6, 7, 8, 9]   # -1: the context length
+    for bad in (0, -2, 101):
+        assert param_of(truncate_prompt, ids, bad, None, 100) == "truncate_prompt_tokens"
+    assert param_of(truncate_prompt, ids, 3, "middle", 100) == "truncation_side"
+
+
+@pytest.mark.parametrize("body, key", [
+    ({"messages": [], "prompt": "x"}, "messages"), ({"prompt": "x"}, "prompt"), ({"input": "x"}, "input")])
+def test_invocations_dispatch_on_the_first_key_in_vllms_order(body, key):
+    assert route_of(json.dumps(body).encode()) == key
+
+
+@pytest.mark.parametrize("raw", [b'{"text": "x"}', b"[1]", b"{nope", b"[" * 100 + b"]" * 100])
+def test_invocations_refuse_a_body_of_no_known_shape(raw):
+    with pytest.raises(ApiError) as exc:
+        route_of(raw)
+    assert exc.value.http_status == 400
+
+
+def test_batches_of_strings_or_token_lists_are_one_request():
+    req = parse_body(CompletionRequest, json.dumps({"prompt": ["a", "b"], "n": 2}).encode())
+    assert req.prompts == ["a", "b"]
+    req.to_sampling()
+    ids = parse_body(CompletionRequest, json.dumps({"prompt": [[1, 2], [3]]}).encode())
+    assert ids.prompts == [[1, 2], [3]]
+    assert parse_body(CompletionRequest, b'{"prompt": [1, 2]}').prompts == [[1, 2]]
+    big = parse_body(CompletionRequest, json.dumps({"prompt": ["a"] * 20, "n": 16}).encode())
+    assert param_of(big.to_sampling) == "n"    # 320 choices > 256
+
+
+def test_stream_options_need_stream():
+    req = parse_body(CompletionRequest, b'{"prompt": "x", "stream_options": {"include_usage": true}}')
+    assert param_of(req.to_sampling) == "stream_options"
+    ok = parse_body(CompletionRequest, b'{"prompt": "x", "stream": true, "stream_options": '
+                                       b'{"include_usage": true, "continuous_usage_stats": true}}')
+    ok.to_sampling()
+    assert ok.include_usage and ok.continuous_usage
+
+
+def test_chat_echo_follows_the_answers_role():
+    def chat(**kw):
+        return parse_body(ChatCompletionRequest, json.dumps(kw).encode())
+    user, asst = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    assert chat(messages=[user, asst], echo=True).echo_text() == "A"
+    assert chat(messages=[user], echo=True).echo_text() == ""
+    continued = chat(messages=[user], echo=True, add_generation_prompt=False)
+    assert continued.response_role == "user" and continued.echo_text() == "Q"
+    assert chat(messages=[user, asst]).echo_text() == ""
