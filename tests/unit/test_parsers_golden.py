@@ -66,6 +66,7 @@ GOLDEN = {
         (f"{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}  {WJ}  {DS_CALL_END}{DS_END}",
          ("", "", [("get_weather", WJ)])),
         ("Hello", ("", "Hello", [])),
+        (f"Hello{DS_EOS}", ("", "Hello", [])),
     ],
     ("deepseek_r1", "deepseek_v31"): [
         (f"I need the weather.</think>{DS_BEGIN}{_ds31('get_weather', WJ)}{DS_END}",
@@ -107,7 +108,7 @@ GOLDEN = {
         ("still thinking", ("still thinking", "", [])),
     ],
     (None, "seed_oss"): [
-        (f"Checking.\n{SEED}", ("", "Checking.", [("get_weather", json.dumps({"city": "Paris", "days": 3}))])),
+        (f"Checking.\n{SEED}<seed:eos>", ("", "Checking.", [("get_weather", json.dumps({"city": "Paris", "days": 3}))])),
         ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>São Paulo \"SP\"</parameter>\n"
          "</function>\n</seed:tool_call>",
          ("", "", [("get_weather", json.dumps({"city": "São Paulo \"SP\""}, ensure_ascii=False))])),
@@ -195,5 +196,6 @@ def test_arguments_stream_in_several_fragments_as_generated(reasoning, tool, tex
 
 def test_special_token_formats_ask_to_keep_special_tokens():
     assert needs_special_tokens(None, "mistral") and needs_special_tokens(None, "kimi_k2")
+    assert needs_special_tokens(None, "deepseek_v31") and needs_special_tokens(None, "seed_oss")
     assert needs_special_tokens("openai_gptoss", None) and needs_special_tokens(None, "openai")
     assert not needs_special_tokens("qwen3", "hermes") and not needs_special_tokens(None, "qwen3_coder")

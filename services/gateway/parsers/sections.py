@@ -22,6 +22,9 @@ def _held(buf: str, markers: tuple[str, ...]) -> int:
 
 
 class SectionToolParser(StreamingToolParser):
+    # Whether the tokenizer marks these markers special differs by release: keep special tokens
+    # in the text either way (the end-of-sequence text that then closes it is dropped).
+    needs_special_tokens = True
     SECTION_BEGIN: tuple[str, ...] = ()
     SECTION_END: tuple[str, ...] = ()
     CALL_BEGIN = ""
@@ -162,7 +165,6 @@ class KimiK2ToolParser(SectionToolParser):
     SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
     CALL_BEGIN, ARGS_BEGIN = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
     ARGS_END = CALL_END = "<|tool_call_end|>"
-    needs_special_tokens = True
     end_strings = ("<|im_end|>",)
 
     def head_call(self, head: str):

@@ -225,3 +225,5 @@ class Qwen3CoderToolParser(XmlToolParser):
 
 class SeedOssToolParser(XmlToolParser):
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+    needs_special_tokens = True    # Seed's <seed:...> markers may be special tokens
+    end_strings = ("<seed:eos>",)
