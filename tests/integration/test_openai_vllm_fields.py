@@ -139,6 +139,23 @@ def test_return_token_ids_in_chat_whole_and_streamed(http, mesh):
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == choice["token_ids"]
 
 
+def test_token_ids_end_with_the_eos_token_and_logprob_tokens_can_be_ids(client, http, mesh, smollm2_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    out = http.post("/v1/chat/completions", json={
+        "model": mesh.model_name, "messages": [{"role": "user", "content": "Say only: hi"}],
+        "temperature": 0, "max_tokens": 40, "return_token_ids": True}).json()
+    choice = out["choices"][0]
+    if choice["finish_reason"] == "stop":   # as vLLM: the ids include the end token, the text not
+        assert hf.decode(choice["token_ids"]) == choice["message"]["content"] + "<|im_end|>"
+    lp = client.completions.create(model=mesh.model_name, prompt=PROMPTS[0], logprobs=2,
+                                   extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+                                   **GREEDY).choices[0]
+    ids = lp.model_extra["token_ids"]
+    assert lp.logprobs.tokens == [f"token_id:{i}" for i in ids]
+    assert all(k.startswith("token_id:") for top in lp.logprobs.top_logprobs for k in top)
+
+
 # -- truncation ---------------------------------------------------------------------------------
 
 def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, http, mesh):

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.gateway.clients.request_handle import Delta, RequestHandle
-from services.gateway.openai.logprobs import CompletionLogprobs, chat_content, merge_completion
+from services.gateway.openai.logprobs import (CompletionLogprobs, chat_content, merge_completion,
+                                              token_id_strings)
 from services.gateway.parsers import OutputParser, ToolCallDelta
 
 
@@ -76,6 +77,7 @@ class ChoiceSpec:
     new_parser: Callable[[], OutputParser | None] = lambda: None
     role: str = "assistant"                         # chat: the answer's role (vLLM's rule)
     return_token_ids: bool = False                  # vLLM: prompt_token_ids / token_ids
+    tokens_as_ids: bool = False                     # vLLM: logprob tokens as "token_id:<id>"
 
 
 def _tool_call_json(tc: ToolCallDelta) -> dict:
@@ -137,6 +139,9 @@ class ChoiceBuilder:
             choice["token_ids"] = list(token_ids)
         return choice
 
+    def _token_strings(self, delta: Delta) -> dict[int, str]:
+        return token_id_strings(delta.logprobs) if self.spec.tokens_as_ids else delta.token_strings
+
     def stream(self, delta: Delta) -> list[dict]:
         """The choice objects (one per chunk) for one Delta."""
         want_lp = self.spec.logprobs and bool(delta.logprobs)
@@ -147,7 +152,8 @@ class ChoiceBuilder:
             if not (delta.text or delta.last or want_lp or want_ids):
                 return []
             choice = {"index": self.index, "text": delta.text,
-                      "logprobs": (self.completion_lp.chunk(delta.logprobs, delta.token_strings)
+                      "logprobs": (self.completion_lp.chunk(delta.logprobs,
+                                                            self._token_strings(delta))
                                    if want_lp else None),
                       "finish_reason": self.finish_reason}
             if delta.last:
@@ -175,7 +181,8 @@ class ChoiceBuilder:
             for i, choice in enumerate(choices):
                 choice["token_ids"] = list(delta.token_ids) if i == 0 else []
         if want_lp:
-            choices[0]["logprobs"] = {"content": chat_content(delta.logprobs, delta.token_strings)}
+            choices[0]["logprobs"] = {"content": chat_content(delta.logprobs,
+                                                              self._token_strings(delta))}
         if delta.last:
             choices[-1]["finish_reason"] = self.finish_reason
             choices[-1]["stop_reason"] = self.stop_reason
@@ -188,9 +195,10 @@ class ChoiceBuilder:
         if self.spec.logprobs and delta.logprobs:
             if self.spec.chat:
                 self.lps.extend(delta.logprobs)
-                self.strings.update(delta.token_strings)
+                self.strings.update(self._token_strings(delta))
             else:
-                self.lp_parts.append(self.completion_lp.chunk(delta.logprobs, delta.token_strings))
+                self.lp_parts.append(self.completion_lp.chunk(delta.logprobs,
+                                                              self._token_strings(delta)))
         if delta.last:
             self._finish(delta)
 

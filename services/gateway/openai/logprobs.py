@@ -7,6 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def token_id_strings(lps: Sequence) -> dict[int, str]:
+    """vLLM's return_tokens_as_token_ids: every logprob token (chosen and top) shown as
+    "token_id:<id>", so tokens that are no valid text stay identifiable."""
+    return {i: f"token_id:{i}" for lp in lps for i in (lp.token_id, *(t.token_id for t in lp.top))}
+
+
 def _entry(token_id: int, logprob: float, strings: dict[int, str]) -> dict:
     token = strings.get(token_id, "")
     return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode("utf-8"))}

@@ -119,6 +119,7 @@ class _SamplingFields(_IgnoredOpenAIFields):
     return_timing: bool = False       # extra body: a `timing` breakdown in the response (timing.py)
     # extra body (vLLM): prompt_token_ids and token_ids in the response and its chunks
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None   # extra body (vLLM): logprob tokens as "token_id:<id>"
     # extra body (vLLM): keep k prompt tokens (-1 = the context length); which end is kept
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
