@@ -17,7 +17,8 @@ from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
 from services.gateway.http.invocations import InvocationRequest
 from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
-from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai.protocol import (MAX_BATCH_PROMPTS, ChatCompletionRequest,
+                                              CompletionRequest)
 from services.gateway.openai.responses_protocol import ResponsesRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
@@ -45,8 +46,12 @@ _STRINGS = {"type": "array", "items": {"type": "string"}}
 # Fields the models type as Any and check in a validator (for a clearer message than
 # pydantic's): their real shapes. Keyed by (model, field).
 _SHAPES: dict[tuple[str, str], dict] = {
-    ("CompletionRequest", "prompt"): {"anyOf": [{"type": "string", "minLength": 1},
-                                                {**_TOKEN_IDS, "minItems": 1}]},
+    ("CompletionRequest", "prompt"): {"anyOf": [
+        {"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
+        {"type": "array", "minItems": 1, "maxItems": MAX_BATCH_PROMPTS,     # a batch of prompts
+         "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_BATCH_PROMPTS,
+         "items": {**_TOKEN_IDS, "minItems": 1}}]},
     ("CompletionRequest", "stop"): {"anyOf": [{"type": "string"}, _STRINGS, {"type": "null"}]},
     ("ChatCompletionRequest", "stop"): {"anyOf": [{"type": "string"}, _STRINGS, {"type": "null"}]},
     ("EmbeddingRequest", "input"): {"anyOf": [
