@@ -199,3 +199,19 @@ def test_special_token_formats_ask_to_keep_special_tokens():
     assert needs_special_tokens(None, "deepseek_v31") and needs_special_tokens(None, "seed_oss")
     assert needs_special_tokens("openai_gptoss", None) and needs_special_tokens(None, "openai")
     assert not needs_special_tokens("qwen3", "hermes") and not needs_special_tokens(None, "qwen3_coder")
+
+
+@pytest.mark.parametrize("tool,text", [
+    ("llama3_json", '{"answer": "' + "x" * 20_000 + '"}'),          # JSON that is not a call
+    ("mistral", '[TOOL_CALLS][{"arguments": {"a": "' + "x" * 20_000 + '"}, "name": "get_time"}]'),
+    ("hermes", "<tool_call>" + "x" * 20_000 + "</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=nope>\n" + "x" * 20_000 + "</tool_call>"),
+])
+def test_a_long_undecided_output_is_read_in_linear_time(tool, text):
+    # One character per delta: re-reading the held text on every delta would take minutes.
+    import time
+    p, t0 = parser(None, tool), time.perf_counter()
+    for ch in text:
+        p.feed(ch)
+    p.finish()
+    assert time.perf_counter() - t0 < 5.0

@@ -77,7 +77,7 @@ class HarmonyReader(StreamingToolParser):
         return False
 
     def _header(self, final: bool) -> bool:
-        end = self.buf.find(MESSAGE)
+        end, _ = self.find(MESSAGE)
         if end < 0:
             if final:                    # a header cut off: nothing to show
                 self.take(len(self.buf))

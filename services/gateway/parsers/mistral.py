@@ -17,7 +17,7 @@ import string
 from services.gateway.parsers.base import held_prefix_len
 from services.gateway.parsers.json_scan import ObjectScanner
 from services.gateway.parsers.streaming import StreamingToolParser
-from services.gateway.parsers.tools import DONE, REJECT, WAIT, JsonCallReader, read_whole_object
+from services.gateway.parsers.tools import REJECT, WAIT, JsonCallReader, WholeObjectReader
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ALNUM = string.ascii_letters + string.digits
@@ -69,7 +69,9 @@ class MistralToolParser(StreamingToolParser):
 
     # -- v11+: NAME[ARGS]{...} ----------------------------------------------------------------
     def _name(self, final: bool) -> bool:
-        end, again = self.buf.find(ARGS), self.buf.find(TOOL_CALLS)
+        index, marker = self.find(ARGS, TOOL_CALLS)
+        end = index if marker == ARGS else -1
+        again = index if marker == TOOL_CALLS else -1
         if again >= 0 and (end < 0 or again < end) or end < 0 and final:   # not a call: content
             self.emit_content(TOOL_CALLS + self.take(again if again >= 0 else len(self.buf)))
             self.state = "text"
@@ -124,11 +126,17 @@ class MistralToolParser(StreamingToolParser):
         if step == WAIT:
             return False
         if step == REJECT:
-            status, text = read_whole_object(self, final)
-            if status == WAIT:
-                return False
-            if status == REJECT:
-                self.emit_content(text)
+            self.whole, self.state = WholeObjectReader(self), "item_whole"
+            return True
+        self.state = "between"
+        return True
+
+    def _item_whole(self, final: bool) -> bool:
+        status, text = self.whole.step(final)
+        if status == WAIT:
+            return False
+        if status == REJECT:
+            self.emit_content(text)
         self.state = "between"
         return True
 

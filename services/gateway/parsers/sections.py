@@ -77,7 +77,7 @@ class SectionToolParser(StreamingToolParser):
         return True
 
     def _head(self, final: bool) -> bool:
-        end = self.buf.find(self.ARGS_BEGIN)
+        end, _ = self.find(self.ARGS_BEGIN)
         if end < 0:
             if final:
                 self.emit_content(self.CALL_BEGIN + self.take(len(self.buf)))
@@ -122,7 +122,7 @@ class SectionToolParser(StreamingToolParser):
         return True
 
     def _rejected(self, final: bool) -> bool:
-        end = self.buf.find(self.CALL_END)
+        end, _ = self.find(self.CALL_END)
         if end < 0 and not final:
             return False
         text = self.take(len(self.buf) if end < 0 else end + len(self.CALL_END))

@@ -31,6 +31,7 @@ class StreamingToolParser(ToolParser):
         self._ws = ""                            # whitespace held until content follows
         self._call_open = False
         self._args_blank = True                  # the open call streamed no arguments yet
+        self._searched: tuple[tuple[str, ...], int] = ((), 0)   # see find()
 
     # -- the ToolParser interface ---------------------------------------------------------
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -110,7 +111,21 @@ class StreamingToolParser(ToolParser):
     def take(self, n: int) -> str:
         """Remove and return the first `n` characters of the undecided text."""
         head, self.buf = self.buf[:n], self.buf[n:]
+        if n:
+            self._searched = ((), 0)
         return head
+
+    def find(self, *markers: str) -> tuple[int, str]:
+        """(index, marker) of the first of `markers` in the undecided text, or (-1, ""). While a
+        state waits for a marker and the text only grows, each call searches only the new part
+        (a long wait stays linear)."""
+        memo, start = self._searched
+        start = start if memo == markers else 0
+        hits = [(i, m) for m in markers if (i := self.buf.find(m, start)) >= 0]
+        if hits:
+            return min(hits)
+        self._searched = (markers, max(0, len(self.buf) - max(map(len, markers)) + 1))
+        return -1, ""
 
     # -- internals ------------------------------------------------------------------------
     def _drain(self) -> tuple[str, list[ToolCallDelta]]:

@@ -14,6 +14,7 @@ from services.gateway.parsers.streaming import StreamingToolParser, json_or_none
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 WAIT, DONE, REJECT = "wait", "done", "reject"
+MAX_HEAD = 1024   # a call head not complete within this many characters is not streamed
 
 
 class JsonCallReader:
@@ -29,8 +30,8 @@ class JsonCallReader:
         nothing was consumed)."""
         p = self.parser
         if self.state == "head":
-            head = match_call_header(p.buf, self.arg_keys)
-            if head == PARTIAL and not final:
+            head = match_call_header(p.buf[:MAX_HEAD], self.arg_keys)
+            if head == PARTIAL and not final and len(p.buf) < MAX_HEAD:
                 return WAIT
             if head in (PARTIAL, NO) or not p.allowed(head.name):
                 return REJECT
@@ -50,20 +51,29 @@ class JsonCallReader:
         return DONE if end >= 0 or final else WAIT
 
 
-def read_whole_object(parser: StreamingToolParser, final: bool) -> tuple[str, str | None]:
-    """For a call that cannot stream: (WAIT, None) until the JSON value at the start of the
-    buffer is complete, then (DONE, None) with the call emitted whole, or (REJECT, text) with
-    the value's text taken out of the buffer (it is content)."""
-    scanner = ObjectScanner(depth=0)
-    end = scanner.scan(parser.buf)
-    if end < 0 and not final:
-        return WAIT, None
-    text = parser.take(len(parser.buf) if end < 0 else end)
-    call = parser.call_from_json(json_or_none(text)) if end >= 0 else None
-    if call is None:
-        return REJECT, text
-    parser.emit_whole_call(*call)
-    return DONE, None
+class WholeObjectReader:
+    """A call that cannot stream: the JSON object at the start of `parser.buf`, read whole."""
+
+    def __init__(self, parser: StreamingToolParser) -> None:
+        self.parser = parser
+        self.scanner = ObjectScanner(depth=0)
+        self.scanned = 0     # characters of the buffer already scanned (it only grows meanwhile)
+
+    def step(self, final: bool) -> tuple[str, str | None]:
+        """(WAIT, None) until the object is complete, then (DONE, None) with the call emitted
+        whole, or (REJECT, text) with the object's text taken out of the buffer (content)."""
+        p = self.parser
+        end = self.scanner.scan(p.buf[self.scanned:])
+        if end < 0:
+            self.scanned = len(p.buf)
+            if not final:
+                return WAIT, None
+        text = p.take(len(p.buf) if end < 0 else self.scanned + end)
+        call = p.call_from_json(json_or_none(text)) if end >= 0 else None
+        if call is None:
+            return REJECT, text
+        p.emit_whole_call(*call)
+        return DONE, None
 
 
 class HermesToolParser(StreamingToolParser):
@@ -100,7 +110,7 @@ class HermesToolParser(StreamingToolParser):
                 self.take(end + len(CLOSE))
                 self.state = "text"
             if self.state == "body":          # not streamable: decided once the call is closed
-                end = self.buf.find(CLOSE)
+                end, _ = self.find(CLOSE)
                 if end < 0 and not final:
                     return
                 body = self.take(len(self.buf) if end < 0 else end)
@@ -125,6 +135,7 @@ class Llama3JsonToolParser(StreamingToolParser):
         self.state = "start"     # start -> call -> between -> call ... | content
         self.prefix = ""         # a <|python_tag|> that is content unless a call follows
         self.reader: JsonCallReader | None = None
+        self.whole: WholeObjectReader | None = None
 
     def _to_content(self, text: str = "") -> None:
         self.emit_content(self.prefix + text)
@@ -159,11 +170,14 @@ class Llama3JsonToolParser(StreamingToolParser):
                     self._to_content()
                     continue
                 self.state, self.reader = "call", JsonCallReader(self, ("parameters", "arguments"))
-            step = self.reader.step(final)
-            if step == WAIT:
-                return
-            if step == REJECT:
-                status, text = read_whole_object(self, final)
+            if self.state == "call":
+                step = self.reader.step(final)
+                if step == WAIT:
+                    return
+                if step == REJECT:
+                    self.state, self.whole = "whole", WholeObjectReader(self)
+            if self.state == "whole":
+                status, text = self.whole.step(final)
                 if status == WAIT:
                     return
                 if status == REJECT:

@@ -103,17 +103,18 @@ class XmlToolParser(StreamingToolParser):
                 return False
             self.state = "rejected"
             return True
-        end = head.find(">")
+        lead = len(self.buf) - len(head)
+        end, _ = self.find(">")
         if end < 0:
             if final:
                 self.state = "rejected"
                 return True
             return False
-        name = head[len(FUNCTION):end].strip()
+        name = self.buf[lead + len(FUNCTION):end].strip()
         if not self.allowed(name):
             self.state = "rejected"
             return True
-        self.take(len(self.buf) - len(head) + end + 1)
+        self.take(end + 1)
         self.open_call(name)
         self.function, self.members, self.state = name, 0, "params"
         return True
@@ -122,7 +123,7 @@ class XmlToolParser(StreamingToolParser):
         self.take(len(self.buf) - len(self.buf.lstrip()))
         buf = self.buf
         if buf.startswith(PARAMETER):
-            end = buf.find(">")
+            end, _ = self.find(">")
             if end < 0:
                 return False
             self.param = buf[len(PARAMETER):end].strip()
@@ -182,7 +183,7 @@ class XmlToolParser(StreamingToolParser):
         return True
 
     def _rejected(self, final: bool) -> bool:
-        end = self.buf.find(self.CLOSE)
+        end, _ = self.find(self.CLOSE)
         if end < 0 and not final:
             return False
         text = self.take(len(self.buf) if end < 0 else end + len(self.CLOSE))
