@@ -11,7 +11,7 @@ from schemathesis import GenerationMode
 
 MAX_EXAMPLES = 15     # per operation: bounded for CI
 MAX_NEW_TOKENS = 4    # generation stays short (null max_tokens would run to the context length)
-GENERATING = {"/v1/completions", "/v1/chat/completions", "/invocations"}
+GENERATING = {"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses"}
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +25,14 @@ def _bound_generation(case) -> None:
     if case.path not in GENERATING or not isinstance(case.body, dict):
         return
     body = case.body
-    for field in ("max_tokens", "max_completion_tokens"):
+    fields = (("max_output_tokens",) if case.path == "/v1/responses"
+              else ("max_tokens", "max_completion_tokens"))
+    for field in fields:
         value = body.get(field)
         if field in body and (value is None or (type(value) is int and value > MAX_NEW_TOKENS)):
             body[field] = MAX_NEW_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_NEW_TOKENS
+    if all(body.get(field) is None for field in fields):
+        body[fields[0]] = MAX_NEW_TOKENS
 
 
 def test_the_openapi_document_describes_the_request_bodies(mesh):
@@ -39,7 +41,8 @@ def test_the_openapi_document_describes_the_request_bodies(mesh):
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "messages" in chat["required"]
-    for path in ("/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/invocations"):
+    for path in ("/v1/completions", "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize",
+                 "/invocations"):
         assert "requestBody" in doc["paths"][path]["post"], path
 
 

@@ -123,3 +123,8 @@ def test_chat_field_names_in_errors_become_the_responses_names():
     assert chat_param("temperature") == "temperature" and chat_param(None) is None
     err = error_of(lambda: to_chat_request(parse(input=[]), []).to_sampling())
     assert chat_param(err["param"]) == "input"
+
+
+def test_a_value_the_chat_request_refuses_is_a_400_naming_it():
+    err = error_of(to_chat_request, parse(input="x", seed=2 ** 64), [])
+    assert err["param"] == "seed"

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.gateway.errors import invalid
-from services.gateway.openai.protocol import ChatCompletionRequest
+from services.gateway.openai.protocol import ChatCompletionRequest, describe_validation_error
 
 MAX_METADATA_KEYS = 16          # OpenAI's bounds on `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -365,7 +365,10 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
     if req.reasoning is not None and req.reasoning.effort is not None:
         # Templates that read it (gpt-oss, Qwen3 style) get it as `reasoning_effort`.
         body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
-    return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as err:   # a value the chat request refuses (a seed past int64, ...)
+        raise describe_validation_error(err) from None
 
 
 # Chat fields whose errors name their Responses field instead.
