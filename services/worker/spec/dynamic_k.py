@@ -1,0 +1,100 @@
+"""How many draft tokens to verify, per request and per step, from the step cost measured at
+start-up and the acceptance measured so far.
+
+With acceptance rate a (the chance that a draft token is accepted given the ones before it were),
+k drafts emit on average 1 + a + ... + a^k tokens, so the j-th draft token is worth a^j extra
+tokens. A step of T tokens costs t(T) (interpolated from the measured points); verifying drafts
+adds their tokens to T. Drafts are handed out greedily, always to the request whose next draft
+token is worth the most, while the batch's emitted tokens per second still grows; the gains a^j
+fall with j, so the greedy choice is the best one. When nothing is worth its cost (a large batch,
+a low acceptance) every request gets k = 0 and the step is the plain decode step: at high
+concurrency with nothing accepted, speculation costs nearly nothing.
+
+AcceptanceTracker keeps each request's rate (an EWMA of accepted / proposed per step), starting
+from the method's running rate over recent requests."""
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+MIN_GAIN = 1.02        # a step must emit at least 2% more tokens per second to speculate at all
+
+
+@dataclass
+class StepCostModel:
+    """Measured (tokens in the step, seconds) points; linear between them, and beyond the last."""
+    points: list[tuple[int, float]]
+
+    def __post_init__(self) -> None:
+        self.points = sorted(self.points)
+        if not self.points or any(t <= 0 or s <= 0 for t, s in self.points):
+            raise ValueError("the step cost model needs points with tokens > 0 and seconds > 0")
+
+    def cost(self, tokens: int) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * max(tokens, 1) / pts[0][0] if tokens > pts[0][0] else pts[0][1]
+        i = bisect.bisect_left([t for t, _ in pts], tokens)
+        if i == 0:
+            return pts[0][1]
+        (t0, s0), (t1, s1) = pts[min(i, len(pts) - 1) - 1], pts[min(i, len(pts) - 1)]
+        return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+
+
+def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]]) -> list[int]:
+    """requests: (acceptance rate, drafts available) per decoding request; base_tokens: the step's
+    tokens without drafts. -> K per request (0: no speculation for it this step)."""
+    ks = [0] * len(requests)
+    emitted = float(len(requests))
+    tokens = base_tokens
+    best = emitted / cost.cost(tokens)
+    heap = [(-a, i) for i, (a, avail) in enumerate(requests) if avail > 0 and a > 0]
+    heapq.heapify(heap)
+    pending: list[tuple[float, int]] = []   # a trial that did not pay yet (costs can be step-shaped)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        trial = emitted + gain + sum(-g for g, _ in pending)
+        rate = trial / cost.cost(tokens + 1 + len(pending))
+        pending.append((neg_gain, i))
+        if rate > best:
+            for g, j in pending:
+                ks[j] += 1
+                emitted += -g
+                tokens += 1
+                a, avail = requests[j]
+                if ks[j] < avail:
+                    heapq.heappush(heap, (-(a ** (ks[j] + 1)), j))
+            pending = []
+            best = rate
+        elif len(pending) >= 8:   # eight more tokens did not pay: stop looking
+            break
+    plain = len(requests) / cost.cost(base_tokens)
+    if best < MIN_GAIN * plain:
+        return [0] * len(requests)
+    return ks
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-request acceptance rates, and the method's over recent requests (their prior)."""
+    prior: float = 0.5
+    weight: float = 0.3          # EWMA weight of the newest step
+    rates: dict[str, float] = field(default_factory=dict)
+
+    def rate(self, request_id: str) -> float:
+        return self.rates.get(request_id, self.prior)
+
+    def update(self, request_id: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        # The share of drafts accepted underestimates the per-token rate a (k drafts accept
+        # a + ... + a^k of them on average): a cautious estimate, which speculates a little less.
+        share = accepted / proposed
+        old = self.rates.get(request_id, self.prior)
+        self.rates[request_id] = (1 - self.weight) * old + self.weight * share
+        self.prior = 0.98 * self.prior + 0.02 * share
+
+    def forget(self, request_id: str) -> None:
+        self.rates.pop(request_id, None)

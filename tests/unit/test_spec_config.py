@@ -1,0 +1,86 @@
+"""--speculative-config (services/common/spec_config.py) and the choice of K per request
+(services/worker/spec/dynamic_k.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.spec_config import SpecConfigError, check_draft_tokenizer, parse_spec_config
+from services.worker.spec.dynamic_k import AcceptanceTracker, StepCostModel, choose_k
+
+
+def test_vllm_fields_parse_and_default():
+    cfg = parse_spec_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 6}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 2, 6)
+    assert parse_spec_config(None) is None and parse_spec_config("") is None
+    table = parse_spec_config({"method": "suffix", "num_speculative_tokens": 5,
+                               "dynamic_k": [[1, 8, 5], [9, 64, 2], [65, 100000, 0]]})
+    assert [table.fixed_k(b) for b in (1, 8, 9, 64, 65, 500)] == [5, 5, 2, 2, 0, 0]
+    assert parse_spec_config({"method": "ngram", "num_speculative_tokens": 3}).fixed_k(7) is None
+
+
+@pytest.mark.parametrize("cfg, says", [
+    ("{not json", "not valid JSON"),
+    ('["ngram"]', "must be a JSON object"),
+    ({"method": "eagle9", "num_speculative_tokens": 3}, "method must be one of ngram, suffix, draft_model"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16]"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in [1, 16]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min (5) exceeds prompt_lookup_max (3)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "spec_tokens": 3}, "unknown field(s) spec_tokens"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/dir"}, "does not exist"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/tmp"}, "only for method draft_model"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "dynamic_k": [[1, 8, 3], [4, 9, 1]]}, "rows overlap"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "dynamic_k": [[1, 8, 3]]}, "0 <= K <= num_speculative_tokens"),
+])
+def test_a_bad_config_is_refused_with_a_clear_message(cfg, says):
+    with pytest.raises(SpecConfigError) as err:
+        parse_spec_config(cfg)
+    assert says in str(err.value)
+
+
+def test_a_draft_model_must_share_the_targets_tokenizer(tmp_path, smollm2_dir):
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / "tokenizer.json").write_bytes((smollm2_dir / "tokenizer.json").read_bytes())
+    check_draft_tokenizer(str(smollm2_dir), str(same))
+    other = tmp_path / "other"
+    other.mkdir()
+    tok = json.loads((smollm2_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab[first + "x"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(SpecConfigError, match="does not share the target's tokenizer"):
+        check_draft_tokenizer(str(smollm2_dir), str(other))
+
+
+# ---- K per request from the step cost and the acceptance ----------------------------------------
+FLAT_THEN_LINEAR = StepCostModel([(1, 0.010), (64, 0.010), (256, 0.020), (1024, 0.080)])
+
+
+def test_small_batches_with_high_acceptance_speculate_and_large_ones_with_none_do_not():
+    assert choose_k(FLAT_THEN_LINEAR, 1, [(0.8, 4)]) == [4], "a free step: every draft is worth it"
+    assert choose_k(FLAT_THEN_LINEAR, 256, [(0.05, 4)] * 256) == [0] * 256, "nothing accepted: plain decode"
+    assert choose_k(FLAT_THEN_LINEAR, 1, [(0.8, 0)]) == [0], "no proposal, no draft"
+
+
+def test_drafts_go_to_the_requests_that_accept_the_most():
+    # 200 tokens of base load: each draft token now costs, so only the likely ones pay.
+    ks = choose_k(FLAT_THEN_LINEAR, 200, [(0.9, 4)] * 8 + [(0.1, 4)] * 8 + [(0.0, 0)] * 184)
+    assert all(k > 0 for k in ks[:8]) and all(k == 0 for k in ks[8:])
+    assert sum(ks) > 8
+
+
+def test_acceptance_rates_start_from_the_methods_prior_and_track_each_request():
+    t = AcceptanceTracker(prior=0.5)
+    assert t.rate("a") == 0.5
+    for _ in range(10):
+        t.update("a", 4, 4)
+        t.update("b", 4, 0)
+    assert t.rate("a") > 0.9 and t.rate("b") < 0.1
+    t.forget("a")
+    assert t.rate("a") == t.prior
