@@ -1,0 +1,64 @@
+"""The kvstore's one validated config (filled from flags in main.py)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from services.common.internal_tls import InternalTls
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass
+class KvStoreConfig:
+    host: str = "127.0.0.1"
+    port: int = 50070                   # 0 = any free port
+    capacity_gb: float = 1.0            # host memory for blocks (hard bound; the LRU evicts)
+    disk_dir: str = ""                  # spill evicted blocks here ("" = no disk tier)
+    disk_gb: float = 0.0                # hard bound of the disk tier (required with disk_dir)
+    backend: str = "memory"             # "memory" or redis://HOST:PORT[/DB]
+    shm_window_mb: int = 64             # one client's window of the shared-memory arena
+    shm_windows: int = 16               # windows in the arena (0 = no arena: gRPC bytes only)
+    lease_ttl_s: float = 30.0           # an unused window is taken back after this long
+    worker_threads: int = 4             # copies, checksums, disk and Redis off the event loop
+    internal_tls: InternalTls = field(default_factory=InternalTls)
+    metrics_port: int = 0
+    log_level: str | None = None
+
+    def __post_init__(self) -> None:
+        from services.common.metrics import check_metrics_config
+        check_metrics_config(self.metrics_port)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} out of range")
+        if self.capacity_gb <= 0:
+            raise ValueError(f"--capacity-gb must be positive, got {self.capacity_gb}")
+        if self.backend != "memory" and not self.backend.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--backend must be 'memory' or redis://HOST:PORT, got {self.backend!r}")
+        if self.disk_dir:
+            if self.backend != "memory":
+                raise ValueError("--disk-dir spills host memory: it does not go with a Redis backend")
+            if self.disk_gb <= 0:
+                raise ValueError("--disk-dir needs --disk-gb (the disk tier's bound), > 0")
+            parent = os.path.dirname(os.path.abspath(self.disk_dir))
+            if not os.path.isdir(parent):
+                raise ValueError(f"--disk-dir {self.disk_dir!r}: {parent} does not exist")
+        elif self.disk_gb:
+            raise ValueError("--disk-gb needs --disk-dir")
+        if self.shm_window_mb <= 0 or self.shm_windows < 0:
+            raise ValueError("--shm-window-mb must be positive and --shm-windows >= 0")
+        if self.lease_ttl_s <= 0 or self.worker_threads <= 0:
+            raise ValueError("--lease-ttl-s and --worker-threads must be positive")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_gb * GIB)
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.disk_gb * GIB)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
