@@ -31,6 +31,12 @@ _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _PART_TYPES = ("input_text", "output_text")
 
 
+def _only(*values: Any) -> dict[str, Any]:
+    """The JSON Schema (GET /openapi.json) of a field accepted only absent, null or at `values`:
+    the type admits more, so a refusal can name the field (check_unsupported)."""
+    return {"anyOf": [*({"const": v} for v in values), {"type": "null"}]}
+
+
 class ResponsesTextPart(BaseModel):
     """input_text (user turns) or output_text (an earlier output message passed back)."""
     model_config = _STRICT
@@ -171,19 +177,20 @@ class ResponsesTextFormat(BaseModel):
 class ResponsesTextConfig(BaseModel):
     model_config = _STRICT
     format: ResponsesTextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, json_schema_extra=_only("medium"))
 
 
 class ResponsesReasoningConfig(BaseModel):
     model_config = _STRICT
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = Field(None, json_schema_extra=_only())
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, json_schema_extra=_only())
 
 
 class ResponsesStreamOptions(BaseModel):
     model_config = _STRICT
-    include_obfuscation: bool | None = None
+    include_obfuscation: bool | None = Field(None, json_schema_extra=_only(False))
 
 
 class ResponsesRequest(BaseModel):
@@ -204,14 +211,18 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "object", "maxProperties": MAX_METADATA_KEYS,
+         "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+         "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS}}, {"type": "null"}]})
     user: str | None = None
     # Refused unless absent or at their "off" value (a 400 naming the field, check_unsupported).
-    background: bool | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    max_tool_calls: int | None = None
+    background: bool | None = Field(None, json_schema_extra=_only(False))
+    include: list[str] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "array", "maxItems": 0}, {"type": "null"}]})
+    top_logprobs: int | None = Field(None, json_schema_extra=_only(0))
+    truncation: Literal["auto", "disabled"] | None = Field(None, json_schema_extra=_only("disabled"))
+    max_tool_calls: int | None = Field(None, json_schema_extra=_only())
     # OpenAI account fields that change nothing on this server (as on the chat route).
     service_tier: str | None = None
     prompt_cache_key: str | None = None
