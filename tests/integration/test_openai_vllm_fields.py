@@ -63,6 +63,10 @@ def test_tokenize_token_strs_are_the_vocabulary_strings_even_past_1024_tokens(ht
     body = long.json()
     assert body["count"] > 1024 and len(body["token_strs"]) == body["count"]
     assert http.post("/tokenize", json={"prompt": "hi"}).json()["token_strs"] is None
+    with grpc.insecure_channel(mesh.grpc_addr) as ch:
+        tok = pb.generation_grpc.GenerationStub(ch).Tokenize(pb.generation.TokenizeRequest(
+            model=mesh.model_name, text="What is 😀 here?", return_token_strs=True), timeout=30)
+    assert list(tok.token_strs) == out["token_strs"]
 
 
 # -- stream_options -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from services.common.sampling_rules import RequestOptions
 from services.gateway.clients.engine_pool import reset_prefix_caches
 from services.gateway.openai.chat_input import check_chat_input
 from services.gateway.openai.choices import ChoiceGroup
-from services.gateway.openai.truncation import truncate_prompt
+from services.gateway.openai.truncation import check_truncation, truncate_prompt
 from services.gateway.embeddings import grpc_embed
 from services.gateway.errors import ApiError
 from services.gateway.guard.auth import ApiKeys
@@ -87,14 +87,15 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
             # The HTTP API's rules, before any tokenizer work (start_n trusts they passed).
             await self.gw.check_sampling(sampling, RequestOptions(
                 n=n, cache_salt=request.cache_salt, priority=request.priority))
+            keep = (request.truncate_prompt_tokens
+                    if request.HasField("truncate_prompt_tokens") else None)
+            side = request.truncation_side or None
+            check_truncation(keep, side, self.gw.max_model_len)
             t0 = timer.tokenize_started() if timer is not None else 0
             prompt_ids = await self._prompt_ids(request)
             if timer is not None and request.WhichOneof("input") != "token_ids":
                 timer.tokenize_done(t0)
-            prompt_ids = truncate_prompt(
-                prompt_ids, request.truncate_prompt_tokens
-                if request.HasField("truncate_prompt_tokens") else None,
-                request.truncation_side or None, self.gw.max_model_len)
+            prompt_ids = truncate_prompt(prompt_ids, keep, side, self.gw.max_model_len)
             first_of = set(range(n)) if request.return_prompt_token_ids else set()
             handle = ChoiceGroup(rid, self.gw.start_n(rid, prompt_ids, sampling, n,
                                                       cache_salt=request.cache_salt,
@@ -156,9 +157,11 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                 ids = await _tokenize_chat(self.gw, request.chat, render_only=True)
             else:
                 raise ApiError("invalid_argument", "input must be one of text or chat")
+            strs = (await self.gw.tokenizer.convert_ids_to_tokens(ids)
+                    if request.return_token_strs and ids else [])
         except ApiError as err:
             await err.abort_grpc(context)
-        return pb.generation.TokenizeResponse(token_ids=ids, count=len(ids),
+        return pb.generation.TokenizeResponse(token_ids=ids, count=len(ids), token_strs=strs,
                                               max_model_len=self.gw.max_model_len)
 
     async def ListModels(self, request, context):

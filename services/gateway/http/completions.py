@@ -14,7 +14,7 @@ from services.gateway.ids import new_request_id
 from services.gateway.openai.chat_tools import decode_for_parsers, plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceSpec
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from services.gateway.openai.truncation import truncate_prompt
+from services.gateway.openai.truncation import check_truncation, truncate_prompt
 from services.gateway.openai.tool_grammar import tool_call_grammar
 from services.gateway.parsers import make_output_parser
 from services.gateway.service import Gateway
@@ -30,6 +30,10 @@ def enforce_tool_calls(sampling: "pb.common.SamplingParams", req: ChatCompletion
     sampling.structured.grammar = tool_call_grammar(
         req.tools, allowed, cfg.tool_call_parser, cfg.reasoning_parser,
         parallel=req.parallel_tool_calls is not False)
+
+
+def _check_truncation(gw: Gateway, req) -> None:
+    check_truncation(req.truncate_prompt_tokens, req.truncation_side, gw.max_model_len)
 
 
 def _truncated(gw: Gateway, req, prompt_ids: list[int]) -> list[int]:
@@ -72,6 +76,7 @@ async def create_completion(request: Request, gw: Gateway, body: bytes,
     sampling = req.to_sampling()
     # Before any tokenizer work; refusals of the output constraint name the field it came in.
     await gw.check_sampling(sampling, req.rule_options(), req.structured_param)
+    _check_truncation(gw, req)
     prompts = await completion_prompts(gw, req, timer)
     spec = ChoiceSpec(chat=False, logprobs=req.logprobs is not None,
                       return_token_ids=bool(req.return_token_ids),
@@ -93,6 +98,7 @@ async def create_chat_completion(request: Request, gw: Gateway, body: bytes,
         structured_param = "tools"
     # Before any tokenizer work; refusals of the output constraint name the field it came in.
     await gw.check_sampling(sampling, req.rule_options(), structured_param)
+    _check_truncation(gw, req)
     t0 = timer.tokenize_started()
     prompt_ids = await gw.tokenize_chat(
         req.to_chat_messages(), req.add_generation_prompt, req.continue_final_message,

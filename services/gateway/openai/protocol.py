@@ -210,12 +210,6 @@ class _SamplingFields(_IgnoredOpenAIFields):
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if self.truncate_prompt_tokens is not None:
             check_int32("truncate_prompt_tokens", self.truncate_prompt_tokens)
-            if self.truncate_prompt_tokens < -1 or self.truncate_prompt_tokens == 0:
-                raise invalid("truncate_prompt_tokens must be -1 (the context length) or a "
-                              f"positive count, got {self.truncate_prompt_tokens}",
-                              "truncate_prompt_tokens")
-        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
-            raise invalid("truncation_side needs truncate_prompt_tokens", "truncation_side")
 
     def to_sampling(self) -> "pb.common.SamplingParams":
         """The engine's SamplingParams, not yet range-checked (gw.check_sampling with
