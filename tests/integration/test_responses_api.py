@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.integration.gateway_proc import start_gateway
 from tests.integration.meshproc import start_mesh
 
 LONG = "Write a long story about a dragon who learns to cook."
@@ -163,6 +164,32 @@ def test_unsupported_fields_are_a_400_naming_them(client, mesh):
         with pytest.raises(openai.BadRequestError) as exc:
             client.responses.create(**body)
         assert exc.value.body["param"] == param, exc.value.body
+
+
+KEY_A, KEY_B = "responses-key-a-0001", "responses-key-b-0002"
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(mesh):
+    gw = start_gateway(mesh, "--api-key", KEY_A, "--api-key", KEY_B)
+    yield gw
+    gw.stop()
+
+
+def test_one_api_key_cannot_reach_another_keys_responses(keyed_gateway, mesh):
+    def as_key(key):
+        return OpenAI(base_url=f"http://127.0.0.1:{keyed_gateway.http_port}/v1", api_key=key,
+                      timeout=60, max_retries=0)
+    a, b = as_key(KEY_A), as_key(KEY_B)
+    r = a.responses.create(model=mesh.model_name, input="Hi", max_output_tokens=2)
+    assert a.responses.retrieve(r.id).id == r.id
+    for attempt in (lambda: b.responses.retrieve(r.id), lambda: b.responses.delete(r.id),
+                    lambda: b.responses.cancel(r.id),
+                    lambda: b.responses.create(model=mesh.model_name, input="Hi",
+                                               previous_response_id=r.id, max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert a.responses.retrieve(r.id).status == r.status   # still there for its owner
 
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather for a city",
