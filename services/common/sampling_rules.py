@@ -83,6 +83,7 @@ def check_request(sp: Any, options: RequestOptions, limits: Limits) -> None:
         raise SamplingRuleError(f"at most {limits.max_stop_token_ids} stop_token_ids are "
                                 f"allowed, got {len(sp.stop_token_ids)}", "stop_token_ids")
     _logprobs(sp, MAX_LOGPROBS, options.logprobs_param)
+    _prompt_logprobs(sp, MAX_LOGPROBS)
     zeros = options.explicit_zeros
     if sp.max_tokens < 0 or (sp.max_tokens == 0 and "max_tokens" in zeros):
         raise SamplingRuleError(f"max_tokens must be at least 1, got {sp.max_tokens}",
@@ -192,6 +193,7 @@ def check_engine_sampling(sp: Any, vocab_size: int) -> None:
         if not math.isfinite(bias):
             raise SamplingRuleError(f"logit_bias must be a finite number, got {bias}", "logit_bias")
     _logprobs(sp, None, "logprobs")
+    _prompt_logprobs(sp, None)
 
 
 # ---- rules shared by check_request and check_engine_sampling --------------------------------
@@ -238,6 +240,17 @@ def _logprobs(sp: Any, upper: int | None, param: str) -> None:
         raise SamplingRuleError(f"{param} must be in [0, {upper}], got {sp.logprobs}", param)
     if sp.logprobs < 0:
         raise SamplingRuleError(f"{param} must be >= 0, got {sp.logprobs}", param)
+
+
+def _prompt_logprobs(sp: Any, upper: int | None) -> None:
+    """vLLM's prompt_logprobs: unset = none; the top-N count per prompt position, capped like
+    logprobs (vLLM's -1, the whole vocabulary, is refused: it is unbounded work)."""
+    if not sp.HasField("prompt_logprobs"):
+        return
+    if sp.prompt_logprobs < 0 or (upper is not None and sp.prompt_logprobs > upper):
+        bound = f"in [0, {upper}]" if upper is not None else ">= 0"
+        raise SamplingRuleError(f"prompt_logprobs must be {bound}, got {sp.prompt_logprobs}",
+                                "prompt_logprobs")
 
 
 def _stop_strings(stop: Sequence[str], limits: Limits) -> None:

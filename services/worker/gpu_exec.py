@@ -121,15 +121,18 @@ class GpuExecutor:
 
     # ---- execution ------------------------------------------------------------------------
     def run(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
-            sample_rows: list[int], src: list[int] | None = None) -> torch.Tensor | None:
-        """One step -> float32 logits [len(sample_rows), V] of the rows that sample (None: none).
-        Nothing waits for the device. `src` (one per token, -1: use ids) points tokens at the
-        previous step's sampled ids in prev_tokens (see the module docstring)."""
+            sample_rows: list[int], src: list[int] | None = None,
+            keep_hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One step -> (float32 logits [len(sample_rows), V] of the rows that sample (None: none),
+        the final hidden states [T, H] of every row when `keep_hidden` (prompt logprobs read
+        them; such a step runs eagerly), else None). Nothing waits for the device. `src` (one per
+        token, -1: use ids) points tokens at the previous step's sampled ids in prev_tokens (see
+        the module docstring)."""
         t, n = len(ids), len(seqs)
         if t > self.max_tokens or n > self.max_seqs:
             raise ValueError(f"step of {t} tokens / {n} sequences exceeds the executor's "
                              f"{self.max_tokens} / {self.max_seqs}")
-        decode_only = t == n and len(sample_rows) == n
+        decode_only = t == n and len(sample_rows) == n and not keep_hidden
         bucket = next((b for b in self.graph_sizes if b >= n), None) if decode_only else None
         if bucket is not None:
             self._stage(ids, positions, seqs, pad_to=bucket, src=src)
@@ -139,16 +142,16 @@ class GpuExecutor:
                 log.info("captured decode CUDA graph for batch %d", bucket)
             graph, logits = entry
             graph.replay()
-            return logits[:n]
+            return logits[:n], None
         self._stage(ids, positions, seqs, src=src)
         use_src = src is not None
+        hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)   # [T, H]
+        kept = hidden if keep_hidden else None
         if not sample_rows:
-            self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)
-            return None
-        hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)
+            return None, kept
         rows = to_device(sample_rows, torch.long, hidden.device) if sample_rows != list(range(t)) else None
         last = hidden if rows is None else hidden.index_select(0, rows)
-        return compute_logits_triton(self.model, last)
+        return compute_logits_triton(self.model, last), kept
 
     def _forward(self, t: int, n: int, max_query_len: int, use_src: bool = True) -> torch.Tensor:
         # Decode graphs always resolve ids through the src row (a replay cannot choose).

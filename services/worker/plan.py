@@ -35,6 +35,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None     # None: no logprobs; N: the sampled token's + top N
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's + top N (prompt_logprobs.py)
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -113,10 +114,20 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    position: int                   # the scored prompt token's index (>= 1)
+    token_id: int
+    logprob: float
+    rank: int                       # 1 = the most likely token there
+    top: list[tuple[int, float]]    # [(token_id, logprob)] best first
+
+
+@dataclass(slots=True)
 class SampledOutput:
     request_id: str
     token_ids: list[int]            # empty: a prompt chunk short of the prompt's end
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[PromptLogprob] | None = None   # the prompt tokens this step scored
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models.llama import LlamaModel
 from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, PlanError, SampledOutput, SamplingConfig, StepPlan,
                                   StepResult, TokenLogprob, WorkerInfo)
+from services.worker import prompt_logprobs
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
 from services.worker.structured import Constraints, RequestMatcher
 
@@ -56,6 +57,9 @@ class RequestState:
     num_pending: int = 0          # sampled by a step not collected yet (0 or 1): not in token_ids
     pending_row: int = -1         # ... at this row of that step's samples (prev_tokens)
     matcher: RequestMatcher | None = None   # structured output: fed every token in token_ids
+    # Prompt logprobs: rows at positions < this score the prompt token after them (0: none wanted,
+    # or already delivered before a preemption); prompt_len - 1 otherwise (prompt_logprobs.py).
+    prompt_lp_end: int = 0
 
     @property
     def num_known(self) -> int:
@@ -89,6 +93,8 @@ class PendingStep:
     result: StepResult | None = None           # set at once for a rejected or failed step
     sampled: dict | None = None                # request id -> SampledToken, once resolved
     forward_ns: int = 0
+    prompt_handle: prompt_logprobs.PromptLogprobHandle | None = None
+    prompt_lps: dict | None = None             # request id -> [PromptLogprob], once resolved
 
 
 class ModelRunner:
@@ -122,6 +128,7 @@ class ModelRunner:
         self._cpu_prev = torch.zeros(0, dtype=torch.long)  # the CPU path's prev_tokens
         self._last_done_ns = 0
         self.graph_capture_s = 0.0                # how long the last start-up capture took
+        self.prompt_logprob_slice = prompt_logprobs.SLICE_ROWS   # rows of prompt logits alive at once
         self.allocate_kv_cache(block_size)
 
     @property
@@ -249,6 +256,8 @@ class ModelRunner:
             cfg = r.sampling
             state = RequestState(r.request_id, list(r.token_ids), list(r.block_ids), cfg,
                                  new_base_seed(cfg, self.seed_rng), r.num_output_tokens, r.num_computed_tokens)
+            if cfg.prompt_logprobs is not None and r.num_output_tokens == 0:
+                state.prompt_lp_end = len(r.token_ids) - 1
             if cfg.structured is not None:
                 state.matcher = self.constraints.start(r.request_id, cfg.structured,
                                                        r.token_ids[len(r.token_ids) - r.num_output_tokens:])
@@ -302,15 +311,16 @@ class ModelRunner:
             log.exception("step %d failed", step.step_id)
             return StepResult.failed(step.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
         sampled = step.sampled or {}
+        prompt_lps = step.prompt_lps or {}
         outputs = []
         for s in step.scheduled:
             rid = s.state.request_id
             tok = sampled.get(rid)
             if tok is None:  # a prompt chunk short of the prompt's end
-                outputs.append(SampledOutput(rid, [], []))
+                outputs.append(SampledOutput(rid, [], [], prompt_lps.get(rid)))
                 continue
             lps = [] if tok.logprob is None else [TokenLogprob(tok.token_id, tok.logprob, tok.top or [])]
-            outputs.append(SampledOutput(rid, [tok.token_id], lps))
+            outputs.append(SampledOutput(rid, [tok.token_id], lps, prompt_lps.get(rid) if prompt_lps else None))
         return StepResult(step.step_id, outputs, step.forward_ns)
 
     def ready(self, step: PendingStep) -> bool:
@@ -330,6 +340,8 @@ class ModelRunner:
         step.sampled = {}
         try:
             tokens = step.handle.result() if step.handle is not None else []
+            if step.prompt_handle is not None:
+                step.prompt_lps, step.prompt_handle = step.prompt_handle.result(), None
         except Exception:
             for s in step.sampling_seqs:   # never feed later steps from a failed one
                 s.state.num_pending = 0
@@ -362,10 +374,16 @@ class ModelRunner:
         seqs: list[SeqSchedule] = []
         sample_rows: list[int] = []
         sampling_seqs: list[_Scheduled] = []
+        spans: list[prompt_logprobs.PromptSpan] = []   # rows that score prompt tokens
         any_src = False
         for s in order:
             st = s.state
             host = len(st.token_ids)
+            if st.prompt_lp_end > s.start:
+                span = prompt_logprobs.span_of(st.request_id, st.token_ids, s.start, s.end, len(ids),
+                                               st.prompt_lp_end, st.sampling.prompt_logprobs)
+                if span is not None:
+                    spans.append(span)
             if s.end <= host:
                 ids.extend(st.token_ids[s.start:s.end])
                 src.extend([-1] * s.count)
@@ -381,9 +399,14 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(s)
         if self.gpu is not None:
-            logits = self.gpu.run(ids, positions, seqs, sample_rows, src if any_src else None)  # [N, V]
+            logits, hidden = self.gpu.run(ids, positions, seqs, sample_rows, src if any_src else None,
+                                          keep_hidden=bool(spans))                   # [N, V], [T, H]
         else:
-            logits = self._forward_reference(ids, positions, seqs, sample_rows, src if any_src else None)
+            logits, hidden = self._forward_reference(ids, positions, seqs, sample_rows, src if any_src else None)
+        prompt_handle = None
+        if spans:  # enqueued behind the forward, before sampling; read when the step resolves
+            prompt_handle = prompt_logprobs.compute(hidden, spans, self._logits_fn, self.prompt_logprob_slice)
+        del hidden
         if self._unresolved and self._needs_host_tokens(sampling_seqs):
             # While the device runs this forward: the previous step's tokens reach the host.
             self._resolve_all()
@@ -399,7 +422,7 @@ class ModelRunner:
             for j, s in enumerate(sampling_seqs):
                 s.state.num_pending += 1
                 s.state.pending_row = j
-        step = PendingStep(step_id, scheduled, sampling_seqs, handle, t0)
+        step = PendingStep(step_id, scheduled, sampling_seqs, handle, t0, prompt_handle=prompt_handle)
         self._unresolved.append(step)
         return step
 
@@ -413,9 +436,18 @@ class ModelRunner:
             self._cpu_prev = grown
         return self._cpu_prev[:n]
 
+    def _logits_fn(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s, H] -> float32 logits [s, V], as the step's own sampling rows get them."""
+        if self.gpu is not None:
+            from services.worker.models.llama_triton import compute_logits_triton  # imports triton
+            return compute_logits_triton(self.model, hidden)
+        return self.model.compute_logits(hidden)
+
     def _forward_reference(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
-                           sample_rows: list[int], src: list[int] | None = None) -> torch.Tensor | None:
-        """The torch reference forward (CPU path) -> float32 logits [N, V] of the sampling rows."""
+                           sample_rows: list[int], src: list[int] | None = None
+                           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The torch reference forward (CPU path) -> (float32 logits [N, V] of the sampling rows,
+        the final hidden states [T, H] of every row)."""
         device = self.model.device
         meta = build_attn_metadata(seqs, self.block_size, device, self.model.cfg.sliding_window)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
@@ -425,9 +457,9 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, torch.tensor(positions, dtype=torch.long, device=device),
                                     meta, self.kv_caches)                          # [T, H]
         if not sample_rows:
-            return None
+            return None, hidden
         last = hidden.index_select(0, torch.tensor(sample_rows, device=device))            # [N, H]
-        return self.model.compute_logits(last)
+        return self.model.compute_logits(last), hidden
 
 
 def resolve_ids(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ def sampling_from_proto(sp: pb.common.SamplingParams, vocab_size: int) -> Sampli
         seed=sp.seed if sp.HasField("seed") else None,
         # More top logprobs than the public limit are clamped: only the worker's work is bounded here.
         logprobs=min(sp.logprobs, MAX_LOGPROBS, vocab_size) if sp.HasField("logprobs") else None,
+        prompt_logprobs=(min(sp.prompt_logprobs, MAX_LOGPROBS, vocab_size)
+                         if sp.HasField("prompt_logprobs") else None),
         logit_bias=tuple((int(t), float(b)) for t, b in sorted(sp.logit_bias.items())),
         min_tokens=max(0, sp.min_tokens),
         stop_token_ids=tuple(int(t) for t in sp.stop_token_ids if 0 <= t < vocab_size),
@@ -102,6 +104,8 @@ def _fill_result(msg: pb.step.StepResult, result: StepResult) -> None:
     add = msg.outputs.add
     for o in result.outputs:
         out = add(request_id=o.request_id)
+        if o.prompt_logprobs:
+            _fill_prompt_logprobs(out.prompt_logprobs, o.prompt_logprobs)
         toks = o.token_ids
         if not toks:  # a prompt chunk short of the prompt's end
             continue
@@ -117,6 +121,13 @@ def _fill_result(msg: pb.step.StepResult, result: StepResult) -> None:
     if result.error is not None:
         msg.error.code = _ERROR[result.error.code]
         msg.error.message = result.error.message
+
+
+def _fill_prompt_logprobs(field, lps) -> None:
+    for lp in lps:
+        m = field.add(position=lp.position, token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+        for tid, val in lp.top:
+            m.top.add(token_id=tid, logprob=val)
 
 
 def result_to_proto(result: StepResult) -> pb.step.StepResult:
