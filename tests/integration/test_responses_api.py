@@ -171,16 +171,21 @@ KEY_A, KEY_B = "responses-key-a-0001", "responses-key-b-0002"
 
 @pytest.fixture(scope="module")
 def keyed_gateway(mesh):
-    gw = start_gateway(mesh, "--api-key", KEY_A, "--api-key", KEY_B)
+    """A second gateway (no model load) before the shared mesh: two API keys, and the
+    deepseek_r1 reasoning parser (with no </think> in the output, all of it is reasoning)."""
+    gw = start_gateway(mesh, "--api-key", KEY_A, "--api-key", KEY_B,
+                       "--reasoning-parser", "deepseek_r1")
     yield gw
     gw.stop()
 
 
+def _as_key(gw, key):
+    return OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key=key, timeout=60,
+                  max_retries=0)
+
+
 def test_one_api_key_cannot_reach_another_keys_responses(keyed_gateway, mesh):
-    def as_key(key):
-        return OpenAI(base_url=f"http://127.0.0.1:{keyed_gateway.http_port}/v1", api_key=key,
-                      timeout=60, max_retries=0)
-    a, b = as_key(KEY_A), as_key(KEY_B)
+    a, b = _as_key(keyed_gateway, KEY_A), _as_key(keyed_gateway, KEY_B)
     r = a.responses.create(model=mesh.model_name, input="Hi", max_output_tokens=2)
     assert a.responses.retrieve(r.id).id == r.id
     for attempt in (lambda: b.responses.retrieve(r.id), lambda: b.responses.delete(r.id),
@@ -190,6 +195,26 @@ def test_one_api_key_cannot_reach_another_keys_responses(keyed_gateway, mesh):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert a.responses.retrieve(r.id).status == r.status   # still there for its owner
+
+
+def test_the_reasoning_parser_gives_a_reasoning_item_whole_and_streamed(keyed_gateway, mesh):
+    client = _as_key(keyed_gateway, KEY_A)
+    args = dict(model=mesh.model_name, input="Hello", max_output_tokens=8, temperature=0)
+    whole = client.responses.create(**args)
+    [item] = whole.output
+    assert item.type == "reasoning" and item.id.startswith("rs_") and item.summary == []
+    reasoning = item.content[0].text
+    assert reasoning and item.content[0].type == "reasoning_text"
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens + 1
+    events = list(client.responses.create(stream=True, **args))
+    types = [e.type for e in events]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert events[3].part.type == "reasoning_text"
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == reasoning == next(e for e in events
+                                         if e.type == "response.reasoning_text.done").text
+    assert "response.output_text.delta" not in types
+    assert events[-1].response.output[0].content[0].text == reasoning
 
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather for a city",
