@@ -11,7 +11,8 @@ from schemathesis import GenerationMode
 
 MAX_EXAMPLES = 15     # per operation: bounded for CI
 MAX_NEW_TOKENS = 4    # generation stays short (null max_tokens would run to the context length)
-GENERATING = {"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses"}
+GENERATING = {"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses",
+              "/v1/messages"}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_the_openapi_document_describes_the_request_bodies(mesh):
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "messages" in chat["required"]
     for path in ("/v1/completions", "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize",
-                 "/invocations"):
+                 "/invocations", "/v1/messages", "/v1/messages/count_tokens"):
         assert "requestBody" in doc["paths"][path]["post"], path
 
 

@@ -91,7 +91,7 @@ class MessageIn(_Strict):
 
 # -- tools ------------------------------------------------------------------------------------
 
-class Tool(_Strict):
+class ToolDefinition(_Strict):
     """A client tool. Anthropic's server tools (web search, bash, ...) run on Anthropic's side
     and have other shapes: they are refused as unknown fields / types."""
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
@@ -146,7 +146,7 @@ Thinking = Annotated[Union[ThinkingEnabled, ThinkingAdaptive, ThinkingDisabled],
                      Field(discriminator="type")]
 
 
-class Metadata(_Strict):
+class RequestMetadata(_Strict):
     user_id: str | None = None
 
 
@@ -169,7 +169,7 @@ class PromptRequest(_Strict):
     model: str
     messages: list[MessageIn]
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
@@ -191,7 +191,7 @@ class MessagesRequest(PromptRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    metadata: Metadata | None = None   # accepted; user_id is not used
+    metadata: RequestMetadata | None = None   # accepted; user_id is not used
     # Accepted and not used: one tier, one speed and one place of inference here.
     service_tier: Literal["auto", "standard_only"] | None = None
     speed: Literal["standard", "fast"] | None = None

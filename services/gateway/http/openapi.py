@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from services.common.sampling_rules import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from services.common.structured import MAX_CHOICES
+from services.gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from services.gateway.http.admin import DrainBody
 from services.gateway.embeddings import EmbeddingRequest
 from services.gateway.http.invocations import InvocationRequest
@@ -24,6 +25,8 @@ from services.gateway.openai.responses_protocol import ResponsesRequest
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/messages": MessagesRequest,                      # Anthropic (docs/api_anthropic.md)
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
@@ -54,6 +57,8 @@ _SHAPES: dict[tuple[str, str], dict] = {
          "items": {**_TOKEN_IDS, "minItems": 1}}]},
     ("CompletionRequest", "stop"): {"anyOf": [{"type": "string"}, _STRINGS, {"type": "null"}]},
     ("ChatCompletionRequest", "stop"): {"anyOf": [{"type": "string"}, _STRINGS, {"type": "null"}]},
+    ("MessagesRequest", "temperature"): {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1},
+                                                   {"type": "null"}]},
     ("EmbeddingRequest", "input"): {"anyOf": [
         {"type": "string"}, {**_STRINGS, "minItems": 1}, {**_TOKEN_IDS, "minItems": 1},
         {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}]},
