@@ -4,8 +4,10 @@ import json
 
 import pytest
 
+from services.gateway.clients.request_handle import Delta
 from services.gateway.errors import ApiError
 from services.gateway.http.invocations import route_of
+from services.gateway.openai.choices import ChoiceBuilder, ChoiceSpec
 from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.openai.truncation import truncate_prompt
 
@@ -72,3 +74,37 @@ def test_chat_echo_follows_the_answers_role():
     continued = chat(messages=[user], echo=True, add_generation_prompt=False)
     assert continued.response_role == "user" and continued.echo_text() == "Q"
     assert chat(messages=[user, asst]).echo_text() == ""
+
+
+def _stream(builder, deltas):
+    out = [choice for choice, _ in builder.opening()]
+    for d in deltas:
+        out += builder.stream(d)
+    return out
+
+
+def test_completion_chunks_carry_prompt_ids_once_and_every_token_id():
+    spec = ChoiceSpec(chat=False, logprobs=False, return_token_ids=True)
+    deltas = [Delta("", [7]), Delta(" hi", [8]), Delta("!", [9], finish_reason="length")]
+    chunks = _stream(ChoiceBuilder(3, spec, echo="P", prompt_ids=[1, 2]), deltas)
+    assert chunks[0] == {"index": 3, "text": "P", "logprobs": None, "finish_reason": None,
+                         "prompt_token_ids": [1, 2], "token_ids": []}
+    assert [c["token_ids"] for c in chunks[1:]] == [[7], [8], [9]]   # a text-less delta still tells its ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    whole = ChoiceBuilder(3, spec, echo="P", prompt_ids=[1, 2])
+    for d in [Delta("", [7]), Delta(" hi", [8]), Delta("!", [9], finish_reason="length")]:
+        whole.add(d)
+    assert whole.whole()["text"] == "P hi!" and whole.whole()["token_ids"] == [7, 8, 9]
+
+
+def test_chat_echo_is_streamed_after_the_role_and_prefixes_the_whole_content():
+    spec = ChoiceSpec(chat=True, logprobs=False, echo="The sky is", role="assistant",
+                      return_token_ids=True)
+    builder = ChoiceBuilder(0, spec, prompt_ids=[5])
+    (role, top), (echo, _) = builder.opening()
+    assert role["delta"] == {"role": "assistant", "content": ""} and top == {"prompt_token_ids": [5]}
+    assert echo["delta"] == {"content": "The sky is"}
+    whole = ChoiceBuilder(0, spec, prompt_ids=[5])
+    whole.add(Delta(" blue", [11], finish_reason="stop"))
+    out = whole.whole()
+    assert out["message"]["content"] == "The sky is blue" and out["token_ids"] == [11]
