@@ -303,6 +303,8 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
                                           logprobs=list(m.logprobs))
             m.new_token_ids += o.new_token_ids
             m.logprobs += o.logprobs
+            if o.prompt_logprobs:   # only the first-token output has them: nothing to copy first
+                m.prompt_logprobs = [*m.prompt_logprobs, *o.prompt_logprobs]
             m.finish_reason, m.error_code, m.error_message = o.finish_reason, o.error_code, o.error_message
             if o.timing is not None:
                 m.timing = o.timing

@@ -24,6 +24,7 @@ def request_from_submit(msg: pb.engine.EngineSubmit) -> Request:
         ignore_eos=sp.ignore_eos,
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        wants_prompt_logprobs=sp.HasField("prompt_logprobs"),
         trace=msg.trace if msg.HasField("trace") else None,
     )
 
@@ -71,6 +72,8 @@ def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.Ou
             ro.num_cached_tokens = o.num_cached_tokens
         if o.logprobs:
             ro.logprobs.extend(o.logprobs)
+        if o.prompt_logprobs:
+            ro.prompt_logprobs.extend(o.prompt_logprobs)
         if o.timing is not None:
             t = ro.timing
             t.queued_unix_ns, t.first_scheduled_unix_ns, t.first_token_unix_ns, t.finished_unix_ns = o.timing

@@ -45,6 +45,10 @@ class Request:
     worker_has_state: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # vLLM's prompt_logprobs: the whole prompt must be computed (no prefix-cache hit); the
+    # worker's per-position values (opaque) gather here until they leave with the first token.
+    wants_prompt_logprobs: bool = False
+    prompt_logprobs: list[Any] = field(default_factory=list, repr=False)
     # prompt + outputs, kept in step with output_token_ids by append_output() (hot path).
     all_token_ids: list[int] = field(default_factory=list, repr=False)
 

@@ -151,6 +151,8 @@ class Scheduler:
         victim.num_inflight_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
+        if not victim.output_token_ids:
+            victim.prompt_logprobs = []   # its prompt runs again from the start
         self.num_preemptions += 1
         if victim.worker_has_state:
             self._pending_finished_ids.append(victim.request_id)
@@ -193,14 +195,17 @@ class Scheduler:
         # Then waiting requests while budgets last (never in a step that had to preempt).
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
-            cached = self.kv.find_cached_prefix(req)
+            # Prompt logprobs need every prompt row's logits: no cached prefix (as vLLM), though
+            # the blocks it fills are cached for others; nor is it counted as a cache query.
+            cached = [] if req.wants_prompt_logprobs else self.kv.find_cached_prefix(req)
             num_computed = len(cached) * cfg.block_size
             num_new = min(req.num_tokens - num_computed, budget)
             if not self.kv.allocate(req, num_computed + num_new, cached):
                 break
             self.waiting.pop()
-            self.kv.stats.queries += req.num_tokens
-            self.kv.stats.hits += num_computed
+            if not req.wants_prompt_logprobs:
+                self.kv.stats.queries += req.num_tokens
+                self.kv.stats.hits += num_computed
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = num_computed
             req.num_computed_tokens = num_computed
@@ -252,7 +257,11 @@ class Scheduler:
             if computed_end // block_size > req.num_cached_blocks:
                 self.kv.cache_computed_blocks(req, computed_end)
             s = sampled.get(rid)
-            if s is not None and s.token_ids:
+            if s is None:
+                continue
+            if req.wants_prompt_logprobs and s.prompt_logprobs:
+                req.prompt_logprobs.extend(s.prompt_logprobs)
+            if s.token_ids:
                 outputs.append(self._append_tokens(req, s))
         return outputs
 
@@ -274,6 +283,8 @@ class Scheduler:
                             logprobs=list(s.logprobs)[:len(new_ids)] if s.logprobs else [],
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=req.num_cached_prompt_tokens, stop_token_id=stop_id)
+        if req.prompt_logprobs:   # the first token: the prompt's logprobs go with it, once
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
         if reason is not None:
             self._finish(req)
         return out

@@ -59,6 +59,7 @@ class SampledTokens:
     request_id: str
     token_ids: list[int]
     logprobs: Any = None          # opaque, passed through to the output
+    prompt_logprobs: Any = ()     # opaque, gathered per request until its first token
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int = -1
+    prompt_logprobs: list[Any] = field(default_factory=list)   # the whole prompt's, with the first token
     # Set by the adapter on the first-token and finishing outputs (the core has no clock):
     # RequestTiming stamps (queued, first scheduled, first token, finished), Unix ns, 0 = not yet.
     timing: tuple[int, int, int, int] | None = None
