@@ -1,6 +1,7 @@
 """The tokenizer service over a real socket: all four RPCs, bad input, health, and the
 `python -m services.tokenizer` process (listening line, readiness, clean SIGTERM)."""
 import asyncio
+import json
 import os
 import re
 import signal
@@ -216,3 +217,22 @@ def test_module_entry_point_rejects_a_dir_without_tokenizer(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "no tokenizer.json" in proc.stderr
+
+
+def test_convert_ids_to_tokens_gives_vocabulary_strings_past_the_batch_limit(served, stub):
+    core = served[1]
+    ids = core.encode_batch(["Café 😀 is here " * 40], False)[0]
+    assert len(ids) > MAX_TEXTS                 # not bounded by Decode's sequence count
+    resp = stub.ConvertIdsToTokens(pb.tokenizer.IdsToTokensRequest(ids=ids), timeout=5)
+    assert list(resp.tokens) == [core.tokenizer.id_to_token(i) for i in ids]
+    assert "".join(resp.tokens) != core.decode(ids, False)   # byte-level pieces, not text
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ConvertIdsToTokens(pb.tokenizer.IdsToTokensRequest(ids=[core.vocab_size]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_get_config_shows_the_template_in_use_and_the_config(served, stub):
+    resp = stub.GetConfig(pb.tokenizer.TokenizerConfigRequest(), timeout=5)
+    assert resp.chat_template == served[1].chat_template.source
+    assert json.loads(resp.config_json)["eos_token"] == "<|im_end|>"
+    assert resp.tokenizer_class == "PreTrainedTokenizerFast"
