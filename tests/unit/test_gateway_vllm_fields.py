@@ -63,6 +63,12 @@ def test_stream_options_need_stream():
                                        b'{"include_usage": true, "continuous_usage_stats": true}}')
     ok.to_sampling()
     assert ok.include_usage and ok.continuous_usage
+    nulls = b'{"include_usage": null, "continuous_usage_stats": null}'
+    streamed = parse_body(CompletionRequest, b'{"prompt": "x", "stream": true, "stream_options": ' + nulls + b'}')
+    streamed.to_sampling()
+    assert not streamed.include_usage and not streamed.continuous_usage
+    unstreamed = parse_body(CompletionRequest, b'{"prompt": "x", "stream_options": ' + nulls + b'}')
+    assert param_of(unstreamed.to_sampling) == "stream_options"   # as vLLM: any options need a stream
 
 
 def test_chat_echo_follows_the_answers_role():

@@ -32,8 +32,8 @@ MAX_BATCH_CHOICES = 256        # completions: prompts x n engine requests in one
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
-    continuous_usage_stats: bool = False   # vLLM: usage on every chunk (needs include_usage)
+    include_usage: bool | None = False     # null = false (vLLM and the SDK send it)
+    continuous_usage_stats: bool | None = False   # vLLM: usage on every chunk (needs include_usage)
 
 
 class JsonSchemaFormat(BaseModel):
