@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from tests.integration.gateway_proc import start_gateway
+from tests.integration.test_lifecycle import scheduler_load, wait_idle
 
 KEY = "anthropic-key-0123"
 SYSTEM = "You are a terse assistant."
@@ -61,6 +62,7 @@ def test_create_answers_a_multi_turn_conversation_with_a_system_prompt(client, m
     r = client.messages.create(model=mesh.model_name, system=SYSTEM, messages=TURNS,
                                max_tokens=16, extra_body=T0)
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
+    assert r._request_id   # Anthropic's request-id header
     assert r.model == mesh.model_name
     assert [b.type for b in r.content] == ["text"] and _text(r).strip()
     assert r.stop_reason in ("end_turn", "max_tokens") and r.stop_sequence is None
@@ -144,6 +146,28 @@ def test_the_raw_stream_names_each_event_and_starts_with_a_ping(mesh):
     assert [d["type"] for d in data] == names
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert data[-2]["delta"]["stop_reason"] == "max_tokens" and data[-2]["usage"]["output_tokens"] == 4
+
+
+def test_closing_a_stream_aborts_the_request_in_the_scheduler(mesh):
+    body = {"model": mesh.model_name, "max_tokens": 1500, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from 1 to 1000, separated by spaces."}]}
+    with httpx.stream("POST", f"{mesh.http_url}/v1/messages", json=body, timeout=60) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += line == "event: content_block_delta"
+            if deltas >= 3:
+                break
+        assert scheduler_load(mesh).num_running == 1
+    assert wait_idle(mesh) < 5.0
+
+
+def test_output_config_format_constrains_the_text_to_the_schema(client, mesh):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
+              "required": ["colour"], "additionalProperties": False}
+    r = client.messages.create(model=mesh.model_name, messages=TURNS, max_tokens=40, extra_body=T0,
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.stop_reason == "end_turn", r
+    jsonschema.validate(json.loads(_text(r)), schema)
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -29,9 +29,17 @@ from services.gateway.service import Gateway
 log = logging.getLogger("meshllm.gateway.http")
 
 
+def _request_id(request: Request) -> dict[str, str]:
+    """Anthropic's `request-id` header (the client exposes it as `_request_id`)."""
+    rid = getattr(request.state, "request_id", None)
+    return {"request-id": rid} if rid else {}
+
+
 def _error(request: Request, err: ApiError) -> JSONResponse:
     request.state.outcome = f"error:{err.kind}"
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
+    headers = _request_id(request)
+    if err.retry_after_s:
+        headers["Retry-After"] = str(err.retry_after_s)
     rid = getattr(request.state, "request_id", None)
     return JSONResponse(error_body(err, rid), status_code=err.http_status, headers=headers)
 
@@ -122,7 +130,8 @@ async def _create(request: Request, gw: Gateway) -> Response:
                 group.abort()
 
             return SSEResponse(_stream(builder, group, first, request.state),
-                               on_disconnect=on_disconnect, headers={"Cache-Control": "no-cache"})
+                               on_disconnect=on_disconnect,
+                               headers={"Cache-Control": "no-cache", **_request_id(request)})
         await watch(request, group, _collect(builder, group, first))
     except ClientGone:
         request.state.outcome = "client_disconnected"
@@ -131,7 +140,7 @@ async def _create(request: Request, gw: Gateway) -> Response:
         group.abort()
         raise
     group.abort()
-    return JSONResponse(builder.message(usage(group)))
+    return JSONResponse(builder.message(usage(group)), headers=_request_id(request))
 
 
 async def _count_tokens(request: Request, gw: Gateway) -> Response:
@@ -139,7 +148,8 @@ async def _count_tokens(request: Request, gw: Gateway) -> Response:
     req = parse_body(CountTokensRequest, await read_body(request, cfg.max_body_bytes))
     gw.check_model(req.model)
     prompt = chat_prompt(req, cfg.tool_call_parser, cfg.reasoning_parser)
-    return JSONResponse({"input_tokens": len(await _prompt_ids(gw, req, prompt))})
+    return JSONResponse({"input_tokens": len(await _prompt_ids(gw, req, prompt))},
+                        headers=_request_id(request))
 
 
 def add_message_routes(app: FastAPI, gw: Gateway) -> None:
