@@ -135,6 +135,18 @@ class DiskTier:
             pass
         return found
 
+    def touch(self, key: BlockKey) -> bool:
+        """Mark a block recently used; False if it is not here."""
+        with self._lock:
+            if key not in self._files:
+                return False
+            self._files.move_to_end(key)
+        try:
+            os.utime(self._path(key))
+        except OSError:
+            pass
+        return True
+
     def contains(self, keys: list[BlockKey]) -> int:
         n = 0
         with self._lock:

@@ -31,6 +31,11 @@ class MemoryBackend:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 return PutOutcome.EXISTS
+        if self.spill is not None and self.spill.touch(key):
+            return PutOutcome.EXISTS      # a get brings it back to memory when it is wanted
+        with self._lock:
+            if key in self._blocks:
+                return PutOutcome.EXISTS
             evicted = self._make_room(len(data))
             self._blocks[key] = (data, crc)
             self._bytes += len(data)
@@ -82,14 +87,14 @@ class MemoryBackend:
         return found
 
     def contains(self, keys: list[BlockKey]) -> int:
+        """A prefix may lie partly in memory and partly on disk (older blocks spill first)."""
         n = 0
-        with self._lock:
-            for key in keys:
-                if key not in self._blocks:
-                    break
-                n += 1
-        if n < len(keys) and self.spill is not None:
-            n += self.spill.contains(keys[n:])
+        for key in keys:
+            with self._lock:
+                here = key in self._blocks
+            if not here and (self.spill is None or not self.spill.contains([key])):
+                break
+            n += 1
         return n
 
     def flush(self, ns_id: bytes | None) -> int:
@@ -130,6 +135,10 @@ class MemoryBackend:
         return s
 
     def close(self) -> None:
+        """A graceful stop writes what is in memory to the disk tier (least recent first, so
+        the disk's LRU order continues); after kill -9 only what was spilled is there."""
         with self._lock:
+            blocks = [(k, d, c) for k, (d, c) in self._blocks.items()]
             self._blocks.clear()
             self._bytes = 0
+        self._spill(blocks)

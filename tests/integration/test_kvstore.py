@@ -1,0 +1,240 @@
+"""The kvstore as a real process, driven by the real client over both data planes: round trips
+over the shared-memory window and gRPC bytes, refusals, kill -9 mid-traffic (misses, no hang,
+one log line; used again once restarted), the disk tier across a kill -9, and internal mTLS
+(a client without the mesh's certificate is refused)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.common.devca import write_dev_ca
+from services.common.internal_tls import InternalTls
+from services.common.kv_blocks import checksum, kv_pb2
+from services.common.kv_client import KvClient
+from services.common.ports import free_port
+from services.common.procs import die_with_parent
+from tests.integration.meshproc import ROOT
+
+import services  # noqa: F401,E402
+from meshllm.v1 import kv_pb2_grpc  # noqa: E402
+
+BLOCK = 256 << 10
+NS = kv_pb2.KvNamespace(model_id="smollm2", weights_fingerprint="w", dtype="float32", kv_cache_dtype="float32",
+                        block_size=16, num_layers=30, tp_size=1, block_bytes=BLOCK, layout="L2BHD")
+
+
+class KvStoreProc:
+    def __init__(self, *args: str, port: int = 0, env: dict[str, str] | None = None) -> None:
+        self.args, self.port, self.env = list(args), port or free_port(), env or {}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "KvStoreProc":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--port", str(self.port),
+                                      "--shm-window-mb", "8", "--shm-windows", "4", *self.args],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if re.search(r"kvstore listening on ", line):
+                threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain
+                return self
+        raise RuntimeError(f"kvstore did not start (exit {self.proc.poll()})")
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def kvstore():
+    p = KvStoreProc("--capacity-gb", "0.25").start()
+    yield p
+    p.stop()
+
+
+def _blocks(n: int, tag: bytes) -> list[tuple[bytes, bytes]]:
+    return [(tag + i.to_bytes(4, "little"), os.urandom(BLOCK)) for i in range(n)]
+
+
+def test_round_trip_over_shared_memory_and_grpc_bytes(kvstore):
+    shm, plain = KvClient(kvstore.addr), KvClient(kvstore.addr, use_shm=False)
+    try:
+        assert shm.transport == "shm" and plain.transport == "grpc"
+        # 40 blocks = 10 MiB: more than one 8 MiB window, so the client splits the batch.
+        a, b = _blocks(40, b"shm-"), _blocks(6, b"grpc-")
+        assert shm.put(NS, a) == 40 and plain.put(NS, b) == 6
+        assert shm.lookup(NS, [h for h, _ in a] + [b"absent"]) == 40
+        assert plain.lookup(NS, [h for h, _ in b]) == 6
+        # Either plane reads what the other wrote, into caller buffers (as a worker loads a block).
+        dests = [bytearray(BLOCK) for _ in range(42)]
+        got = plain.get_into(NS, [h for h, _ in a] + [b"absent", b[0][0]], dests)
+        assert got == [True] * 40 + [False, True]
+        assert all(bytes(d) == data for d, (_, data) in zip(dests, a)) and bytes(dests[41]) == b[0][1]
+        assert shm.get(NS, [h for h, _ in b]) == [data for _, data in b]
+        stats = shm.stats()
+        assert stats.backend == "memory" and stats.blocks >= 46 and stats.arena_windows >= 1
+    finally:
+        shm.close()
+        plain.close()
+
+
+def test_bad_blocks_and_bad_requests_are_refused(kvstore):
+    with grpc.insecure_channel(kvstore.addr) as ch:
+        stub = kv_pb2_grpc.KvStoreStub(ch)
+        data = os.urandom(BLOCK)
+        meta = dict(block_hash=b"bad-1", size=BLOCK)
+        resp = stub.Put(kv_pb2.PutRequest(namespace=NS, blocks=[
+            kv_pb2.KvBlock(meta=kv_pb2.KvBlockMeta(**meta, checksum=checksum(data) ^ 1), data=data),
+            kv_pb2.KvBlock(meta=kv_pb2.KvBlockMeta(block_hash=b"bad-2", size=BLOCK - 1, checksum=checksum(data[1:])),
+                           data=data[1:]),
+            kv_pb2.KvBlock(meta=kv_pb2.KvBlockMeta(block_hash=b"bad-3", size=BLOCK, checksum=checksum(data[1:])),
+                           data=data[1:])]), timeout=5)
+        assert list(resp.statuses) == [kv_pb2.KV_PUT_STATUS_BAD_CHECKSUM, kv_pb2.KV_PUT_STATUS_BAD_SIZE,
+                                       kv_pb2.KV_PUT_STATUS_BAD_SIZE]
+        assert stub.Lookup(kv_pb2.LookupRequest(namespace=NS, block_hashes=[b"bad-1"]), timeout=5).num_found == 0
+        for bad, text in ((kv_pb2.LookupRequest(namespace=kv_pb2.KvNamespace(model_id="m")), "block_size"),
+                          (kv_pb2.LookupRequest(namespace=NS, block_hashes=[b""]), "block hash"),
+                          (kv_pb2.LookupRequest(namespace=NS, block_hashes=[b"x" * 65]), "block hash")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Lookup(bad, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Get(kv_pb2.GetRequest(namespace=NS, block_hashes=[b"x"], window=kv_pb2.ShmWindow(lease_id=12345)),
+                     timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Flush(kv_pb2.FlushRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store_is_used(caplog):
+    store = KvStoreProc("--capacity-gb", "0.1").start()
+    client = KvClient(store.addr, timeout_s=0.5, max_retry_after_s=1.0)
+    stop, slowest, errors = threading.Event(), [0.0], []
+    blocks = _blocks(4, b"k9-")
+
+    def traffic(kind: str) -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                if kind == "save":
+                    client.put(NS, blocks)
+                else:
+                    client.get_into(NS, [h for h, _ in blocks], [bytearray(BLOCK) for _ in blocks])
+                    client.lookup(NS, [h for h, _ in blocks])
+            except Exception as exc:  # the contract: nothing raises into the caller
+                errors.append(exc)
+            slowest[0] = max(slowest[0], time.monotonic() - t)
+
+    caplog.set_level(logging.INFO, logger="meshllm.kv_client")
+    try:
+        assert client.put(NS, blocks) == 4 and client.transport == "shm"
+        threads = [threading.Thread(target=traffic, args=(k,)) for k in ("save", "load", "load")]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        store.kill9()
+        time.sleep(1.5)
+        # Lost: misses at once, nothing raised, no call stuck past its deadline.
+        t0 = time.monotonic()
+        assert client.get(NS, [blocks[0][0]]) == [None] and client.lookup(NS, [blocks[0][0]]) == 0
+        assert client.put(NS, blocks[:1]) == 0 and time.monotonic() - t0 < 1.0
+        assert not client.available
+        store.start()                                   # the same port: the supervisor's restart
+        deadline = time.monotonic() + 15
+        while client.put(NS, blocks) != 4:
+            assert time.monotonic() < deadline, "the restarted kvstore was not used again"
+            time.sleep(0.2)
+        stop.set()
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive(), "a client call hung"
+        assert errors == []
+        assert slowest[0] < 3.0, f"a call took {slowest[0]:.1f}s"
+        assert client.available and client.get(NS, [blocks[1][0]]) == [blocks[1][1]]
+        assert client.transport == "shm"                # a new window in the new store's arena
+        lost = [r for r in caplog.records if "lost" in r.getMessage()]
+        assert len(lost) == 1, [r.getMessage() for r in lost]    # logged once, not per call
+        assert any("answers again" in r.getMessage() for r in caplog.records)
+    finally:
+        stop.set()
+        client.close()
+        store.stop()
+
+
+def test_disk_spill_survives_a_kill_9(tmp_path):
+    spill = str(tmp_path / "spill")
+    args = ("--capacity-gb", str(4 * BLOCK / (1 << 30)), "--disk-dir", spill, "--disk-gb", "0.05")
+    store = KvStoreProc(*args).start()
+    client = KvClient(store.addr)
+    try:
+        blocks = _blocks(12, b"disk-")
+        assert client.put(NS, blocks) == 12
+        st = client.stats()
+        assert st.backend == "memory+disk" and st.blocks == 4 and st.disk_blocks == 8
+        store.kill9()
+        store.start()
+        # The 8 spilled blocks are found again (the 4 in host memory died with the process).
+        hashes = [h for h, _ in blocks]
+        deadline = time.monotonic() + 10
+        while client.lookup(NS, hashes) != 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert client.get(NS, hashes[:8]) == [d for _, d in blocks[:8]]
+    finally:
+        client.close()
+        store.stop()
+
+
+def test_internal_mtls_refuses_a_client_without_the_mesh_certificate(tmp_path):
+    certs = str(tmp_path / "certs")
+    write_dev_ca(certs, services=("kvstore",))
+    env = {"MESHLLM_INTERNAL_TLS_CERTFILE": f"{certs}/kvstore.pem", "MESHLLM_INTERNAL_TLS_KEYFILE": f"{certs}/kvstore.key",
+           "MESHLLM_INTERNAL_TLS_CA_CERTS": f"{certs}/ca.pem"}
+    store = KvStoreProc("--capacity-gb", "0.05", env=env).start()
+    mesh = InternalTls(f"{certs}/client.pem", f"{certs}/client.key", f"{certs}/ca.pem")
+    data = os.urandom(BLOCK)
+    put = kv_pb2.PutRequest(namespace=NS, blocks=[kv_pb2.KvBlock(
+        meta=kv_pb2.KvBlockMeta(block_hash=b"tls-1", size=BLOCK, checksum=checksum(data)), data=data)])
+    try:
+        for creds in (None, grpc.ssl_channel_credentials(open(f"{certs}/ca.pem", "rb").read())):
+            ch = grpc.secure_channel(store.addr, creds) if creds else grpc.insecure_channel(store.addr)
+            with ch:
+                with pytest.raises(grpc.RpcError) as err:
+                    kv_pb2_grpc.KvStoreStub(ch).Put(put, timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        outsider = KvClient(store.addr, timeout_s=0.5)
+        assert outsider.put(NS, [(b"tls-2", data)]) == 0      # refused, and never raised
+        outsider.close()
+        member = KvClient(store.addr, credentials=mesh.channel_credentials())
+        assert member.put(NS, [(b"tls-3", data)]) == 1 and member.get(NS, [b"tls-3"]) == [data]
+        assert member.lookup(NS, [b"tls-1", b"tls-2"]) == 0
+        member.close()
+    finally:
+        store.stop()

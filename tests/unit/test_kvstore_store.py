@@ -1,0 +1,316 @@
+"""The kvstore's store rules on every backend: host memory, memory with disk spill, and Redis
+(a real redis-server started here on a free port; a failure, never a skip, if it cannot be).
+
+Blocks are small (16 KiB) so each test moves a few MB at most."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+
+from services.common.kv_blocks import NamespaceError, check_namespace, checksum, kv_pb2, namespace_id
+from services.kvstore import record
+from services.kvstore.disk import DiskTier
+from services.kvstore.memory import MemoryBackend
+from services.kvstore.redis_backend import RedisBackend, _key
+from services.kvstore.store import PutStatus, Store
+from services.scheduler.core.kv_cache_manager import chained_block_hash
+
+BLOCK = 16 << 10
+
+
+def _ns(**over) -> "kv_pb2.KvNamespace":
+    fields = dict(model_id="smollm2", weights_fingerprint="w1", dtype="bfloat16", kv_cache_dtype="bfloat16",
+                  block_size=16, num_layers=30, tp_size=1, tp_rank=0, block_bytes=BLOCK, layout="L2BHD")
+    fields.update(over)
+    return kv_pb2.KvNamespace(**fields)
+
+
+NS = _ns()
+NSID = namespace_id(NS)
+
+
+def _chain(n: int, salt: str = "", seed: int = 0) -> list[bytes]:
+    hashes, parent = [], b""
+    for i in range(n):
+        parent = chained_block_hash(parent, tuple(range(seed + 16 * i, seed + 16 * i + 16)), salt)
+        hashes.append(parent)
+    return hashes
+
+
+def _data(i: int) -> bytes:
+    return (i.to_bytes(4, "little") * (BLOCK // 4))
+
+
+def _put(store: Store, h: bytes, data: bytes, ns_id: bytes = NSID, size: int = BLOCK) -> PutStatus:
+    return store.put(ns_id, size, h, data, checksum(data))
+
+
+# ---- Redis, started by the test ------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    exe = shutil.which("redis-server")
+    assert exe, "redis-server is not installed: apt-get install -y redis-server"
+    port = _free_port()
+    d = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(d), "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+def store(request, tmp_path):
+    """A store of 8 blocks' capacity on each backend."""
+    if request.param == "memory":
+        backend = MemoryBackend(8 * BLOCK)
+    elif request.param == "disk":
+        backend = MemoryBackend(2 * BLOCK, DiskTier(str(tmp_path / "spill"), 8 * record.record_size(b"x" * 32, BLOCK)))
+    else:
+        url = request.getfixturevalue("redis_url")
+        redis.Redis.from_url(url).flushall()
+        backend = RedisBackend(url, 8 * record.record_size(b"x" * 32, BLOCK))
+    s = Store(backend)
+    yield s
+    backend.close()
+
+
+def _corrupt(store: Store, key) -> None:
+    b = store.backend
+    if isinstance(b, RedisBackend):
+        r = redis.Redis.from_url(b.url)
+        raw = bytearray(r.get(_key(key)))
+        raw[-5] ^= 0xFF
+        r.set(_key(key), bytes(raw))
+    elif not b.corrupt_for_test(key):   # not in memory: on disk
+        path = b.spill.path_for_test(key)
+        raw = bytearray(open(path, "rb").read())
+        raw[-5] ^= 0xFF
+        open(path, "wb").write(raw)
+
+
+# ---- the same rules on every backend ---------------------------------------------------------
+def test_put_get_lookup_round_trip(store):
+    chain = _chain(6)
+    assert [_put(store, h, _data(i)) for i, h in enumerate(chain[:4])] == [PutStatus.STORED] * 4
+    assert _put(store, chain[0], _data(0)) == PutStatus.EXISTS
+    assert store.lookup(NSID, chain) == 4
+    assert store.lookup(NSID, chain[1:]) == 3
+    assert store.lookup(NSID, _chain(3, seed=999)) == 0
+    for i, h in enumerate(chain[:4]):
+        data, crc = store.get(NSID, BLOCK, h)
+        assert data == _data(i) and crc == checksum(_data(i))
+    assert store.get(NSID, BLOCK, chain[4]) is None
+
+
+def test_a_block_whose_bytes_do_not_match_its_checksum_is_refused(store):
+    h = _chain(1)[0]
+    assert store.put(NSID, BLOCK, h, _data(1), checksum(_data(1)) ^ 1) == PutStatus.BAD_CHECKSUM
+    assert store.get(NSID, BLOCK, h) is None and store.lookup(NSID, [h]) == 0
+
+
+def test_a_block_of_the_wrong_size_is_refused(store):
+    h = _chain(1)[0]
+    short = _data(1)[:-1]
+    assert store.put(NSID, BLOCK, h, short, checksum(short)) == PutStatus.BAD_SIZE
+    assert store.lookup(NSID, [h]) == 0
+
+
+def test_a_corrupted_stored_block_is_a_miss_and_is_removed(store):
+    chain = _chain(2)
+    for i, h in enumerate(chain):
+        _put(store, h, _data(i))
+    _corrupt(store, (NSID, chain[0]))
+    assert store.get(NSID, BLOCK, chain[0]) is None
+    assert store.backend.stats().corrupt_blocks >= 1
+    assert store.lookup(NSID, chain) == 0          # gone, not served again
+    assert store.get(NSID, BLOCK, chain[1])[0] == _data(1)
+
+
+def test_namespaces_and_salts_isolate(store):
+    chain = _chain(3, salt="tenant-a")
+    for i, h in enumerate(chain):
+        _put(store, h, _data(i))
+    # Same tokens, another tenant's salt: other hashes, nothing found.
+    assert store.lookup(NSID, _chain(3, salt="tenant-b")) == 0
+    assert store.lookup(NSID, _chain(3, salt="tenant-a")) == 3
+    # Same hashes, any namespace field different: nothing found.
+    for other in (_ns(dtype="float16"), _ns(kv_cache_dtype="fp8_e4m3"), _ns(tp_rank=1, tp_size=2),
+                  _ns(weights_fingerprint="w2"), _ns(model_id="other")):
+        oid = namespace_id(other)
+        assert store.lookup(oid, chain) == 0
+        assert store.get(oid, BLOCK, chain[0]) is None
+    assert store.lookup(NSID, chain) == 3
+
+
+def test_a_put_larger_than_the_capacity_is_refused_cleanly(store):
+    chain = _chain(2)
+    _put(store, chain[0], _data(0))
+    big = 64 * BLOCK
+    blob = bytes(big)
+    assert store.put(NSID, big, chain[1], blob, checksum(blob)) == PutStatus.TOO_LARGE
+    assert store.get(NSID, BLOCK, chain[0])[0] == _data(0)   # nothing evicted for it
+
+
+def test_flush_removes_one_namespace_or_all(store):
+    other = namespace_id(_ns(model_id="other"))
+    chain = _chain(2)
+    for i, h in enumerate(chain):
+        _put(store, h, _data(i))
+        _put(store, h, _data(i), ns_id=other)
+    assert store.flush(other) == 2
+    assert store.lookup(other, chain) == 0 and store.lookup(NSID, chain) == 2
+    assert store.flush(None) == 2
+    assert store.lookup(NSID, chain) == 0
+
+
+# ---- capacity and LRU order ------------------------------------------------------------------
+def test_memory_lru_evicts_the_least_recently_used_and_never_exceeds_capacity():
+    backend = MemoryBackend(4 * BLOCK)
+    store = Store(backend)
+    chain = _chain(12)
+    for i, h in enumerate(chain[:4]):
+        _put(store, h, _data(i))
+    store.get(NSID, BLOCK, chain[0])                  # 0 is now the most recently used
+    _put(store, chain[4], _data(4))
+    assert [k[1] for k in backend.keys()] == [chain[2], chain[3], chain[0], chain[4]]
+    for i, h in enumerate(chain[5:], 5):
+        _put(store, h, _data(i))
+        assert backend.stats().bytes <= 4 * BLOCK
+    assert backend.stats().evictions == 8
+    assert store.lookup(NSID, chain[8:]) == 4
+
+
+def test_disk_spill_is_bounded_lru_and_survives_a_restart(tmp_path):
+    per_file = record.record_size(chain_hash := _chain(1)[0], BLOCK)
+    assert len(chain_hash) == 32
+    spill_dir = str(tmp_path / "spill")
+    backend = MemoryBackend(2 * BLOCK, DiskTier(spill_dir, 4 * per_file))
+    store = Store(backend)
+    chain = _chain(8)
+    for i, h in enumerate(chain):
+        _put(store, h, _data(i))
+        assert backend.spill.stats().bytes <= 4 * per_file
+    # memory: 6, 7; disk: 2..5 (0 and 1 fell off the disk's LRU end)
+    assert backend.stats().disk_blocks == 4
+    assert store.get(NSID, BLOCK, chain[0]) is None
+    store.backend.spill.get((NSID, chain[2]))          # 2 is now the disk's most recent
+    time.sleep(0.01)
+    # A new process over the same directory (kill -9: host memory is gone, the disk is not).
+    again = Store(MemoryBackend(2 * BLOCK, DiskTier(spill_dir, 3 * per_file)))
+    s = again.backend.spill.stats()
+    assert s.blocks == 3 and s.bytes <= 3 * per_file   # the smaller bound evicted the oldest (3)
+    assert again.get(NSID, BLOCK, chain[3]) is None
+    for i in (2, 4, 5):
+        assert again.get(NSID, BLOCK, chain[i])[0] == _data(i)
+
+
+def test_a_corrupt_or_short_disk_file_is_a_miss_and_is_deleted(tmp_path):
+    spill = DiskTier(str(tmp_path / "spill"), 1 << 30)
+    chain = _chain(3)
+    for i, h in enumerate(chain):
+        spill.put((NSID, h), _data(i), checksum(_data(i)))
+    short, flipped, wrong = (spill.path_for_test((NSID, h)) for h in chain)
+    os.truncate(short, os.path.getsize(short) - 10)
+    raw = bytearray(open(flipped, "rb").read())
+    raw[100] ^= 1
+    open(flipped, "wb").write(raw)
+    shutil.copy(spill.path_for_test((NSID, chain[0])), wrong)   # another block's (valid) file
+    restarted = DiskTier(str(tmp_path / "spill"), 1 << 30)
+    for h, path in zip(chain, (short, flipped, wrong)):
+        assert restarted.get((NSID, h)) is None
+        assert not os.path.exists(path)
+    assert restarted.stats().corrupt_blocks == 3 and restarted.stats().blocks == 0
+
+
+def test_interrupted_disk_writes_leave_nothing_a_restart_would_read(tmp_path):
+    spill = DiskTier(str(tmp_path / "spill"), 1 << 30)
+    h = _chain(1)[0]
+    spill.put((NSID, h), _data(0), checksum(_data(0)))
+    leftover = spill.path_for_test((NSID, h)) + ".tmp-123-456"
+    open(leftover, "wb").write(b"half a block")
+    again = DiskTier(str(tmp_path / "spill"), 1 << 30)
+    assert not os.path.exists(leftover)
+    assert again.get((NSID, h))[0] == _data(0)
+
+
+def test_redis_capacity_is_redis_maxmemory_with_lru_eviction(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    big = 256 << 10
+    store = Store(RedisBackend(redis_url, 1 << 30))
+    chain = _chain(8)
+    blobs = [bytes([i]) * big for i in range(8)]
+    for h, blob in zip(chain[:2], blobs):
+        assert store.put(NSID, big, h, blob, checksum(blob)) == PutStatus.STORED
+    # Room for these two and half a block more (used_memory also counts Redis' buffers).
+    r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + big // 2)
+    try:
+        time.sleep(1.1)                                # Redis' LRU clock ticks once a second
+        assert store.get(NSID, big, chain[0])[0] == blobs[0]
+        time.sleep(1.1)
+        assert store.put(NSID, big, chain[2], blobs[2], checksum(blobs[2])) == PutStatus.STORED
+        mem = r.info("memory")
+        assert int(mem["used_memory"]) <= int(mem["maxmemory"])
+        assert int(r.info("stats")["evicted_keys"]) >= 1
+        assert store.get(NSID, big, chain[1]) is None           # least recently used: gone
+        assert store.get(NSID, big, chain[0])[0] == blobs[0]    # read since: kept
+        assert store.get(NSID, big, chain[2])[0] == blobs[2]
+        for h, blob in zip(chain[3:], blobs[3:]):               # and the bound holds under load
+            store.put(NSID, big, h, blob, checksum(blob))
+            mem = r.info("memory")
+            assert int(mem["used_memory"]) <= int(mem["maxmemory"])
+        assert store.get(NSID, big, chain[7])[0] == blobs[7]
+    finally:
+        r.config_set("maxmemory", 0)
+
+
+def test_an_unreachable_redis_is_a_miss_and_a_failed_put_not_an_error():
+    port = _free_port()   # nothing listens there
+    store = Store(RedisBackend(f"redis://127.0.0.1:{port}/0", 1 << 30, timeout_s=0.2))
+    h = _chain(1)[0]
+    assert _put(store, h, _data(0)) == PutStatus.FAILED
+    assert store.get(NSID, BLOCK, h) is None and store.lookup(NSID, [h]) == 0
+
+
+# ---- the namespace -----------------------------------------------------------------------------
+@pytest.mark.parametrize("bad,field", [(dict(model_id=""), "model_id"), (dict(block_size=0), "block_size"),
+                                       (dict(num_layers=0), "num_layers"), (dict(tp_size=0), "tp_size"),
+                                       (dict(tp_size=2, tp_rank=2), "tp_rank"), (dict(block_bytes=0), "block_bytes")])
+def test_a_namespace_that_cannot_name_comparable_bytes_is_refused(bad, field):
+    with pytest.raises(NamespaceError, match=field):
+        check_namespace(_ns(**bad))
+
+
+def test_every_namespace_field_changes_the_namespace_id():
+    base = namespace_id(NS)
+    changed = [dict(model_id="x"), dict(weights_fingerprint="x"), dict(dtype="x"), dict(kv_cache_dtype="x"),
+               dict(block_size=32), dict(num_layers=31), dict(tp_size=2), dict(tp_size=2, tp_rank=1),
+               dict(block_bytes=BLOCK * 2), dict(layout="x")]
+    ids = {namespace_id(_ns(**c)) for c in changed}
+    assert base not in ids and len(ids) == len(changed)
+    # No ambiguity by concatenation: ("ab", "c") vs ("a", "bc").
+    assert namespace_id(_ns(model_id="ab", weights_fingerprint="c")) != namespace_id(_ns(model_id="a", weights_fingerprint="bc"))
