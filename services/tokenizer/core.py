@@ -152,6 +152,11 @@ class TokenizerCore:
         for vLLM's /tokenizer_info. The class is the one transformers' AutoTokenizer loads for
         this directory: tokenizer.json makes it the "Fast" variant of the named class."""
         config = {k: v for k, v in self._config_file.items() if k not in _HIDDEN_CONFIG_KEYS}
+        if "added_tokens_decoder" not in config:   # transformers fills it in from tokenizer.json
+            config["added_tokens_decoder"] = {
+                str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
+                         "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
+                for i, t in sorted(self.tokenizer.get_added_tokens_decoder().items())}
         named = config.get("tokenizer_class")
         if isinstance(named, str) and named:
             cls = named if named.endswith("Fast") else f"{named}Fast"

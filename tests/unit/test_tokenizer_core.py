@@ -112,6 +112,9 @@ def test_smollm2_tokenizer_config_names_the_class_and_the_template_without_file_
     assert template == smollm2_core.chat_template.source and "<|im_start|>" in template
     assert config["eos_token"] == "<|im_end|>" and "chat_template" not in config
     assert not {"vocab_file", "merges_file"} & set(config)
+    im_end = str(smollm2_core.tokenizer.token_to_id("<|im_end|>"))   # as transformers' init_kwargs
+    assert config["added_tokens_decoder"][im_end]["content"] == "<|im_end|>"
+    assert config["added_tokens_decoder"][im_end]["special"] is True
 
 
 def test_tokenizer_class_is_the_fast_variant_transformers_4_loads(tmp_path):
