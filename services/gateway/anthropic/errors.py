@@ -47,3 +47,18 @@ def error_body(err: ApiError, request_id: str | None = None) -> dict:
 def error_event(err: ApiError, request_id: str | None = None) -> str:
     """A failure after the stream began: Anthropic's `event: error` (the stream ends there)."""
     return f"event: error\ndata: {json.dumps(error_body(err, request_id))}\n\n"
+
+
+async def send_asgi_error(send, err: ApiError, scope, extra_headers=()) -> None:
+    """Answer an ASGI request with `err` in Anthropic's shape, from middleware below the app
+    (errors.send_asgi_error's twin: the API-key check of /v1/messages)."""
+    state = scope.get("state")
+    rid = None
+    if isinstance(state, dict):
+        state["outcome"] = f"error:{err.kind}"
+        rid = state.get("request_id")
+    payload = json.dumps(error_body(err, rid)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": err.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

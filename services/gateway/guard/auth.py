@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from services.gateway.anthropic import errors as anthropic_errors
 from services.gateway.errors import ApiError, send_asgi_error
 
 log = logging.getLogger("meshllm.gateway.auth")
@@ -166,6 +167,8 @@ class ApiKeyAuth:
             self.keys.check(auth, admin, f"{scope.get('method')} {path}", f"{client[0]}")
         except ApiError as err:
             challenge = [(b"www-authenticate", b'Bearer realm="meshllm"')] if err.http_status == 401 else []
+            if path.startswith(X_API_KEY_PREFIXES):   # the Messages API answers in its shape
+                return await anthropic_errors.send_asgi_error(send, err, scope, challenge)
             return await send_asgi_error(send, err, scope, challenge)
         await self.app(scope, receive, send)
 
