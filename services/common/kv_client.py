@@ -142,6 +142,7 @@ class KvClient:
             return
         with self._lock:
             since, self._lost_since = self._lost_since, None
+            self._window_retry_at = 0.0   # a restarted store has a new arena: map it at once
         if since is not None:
             AVAILABLE.labels(TIER).set(1)
             log.info("kvstore %s answers again after %.1fs", self.address, time.monotonic() - since)
