@@ -16,7 +16,7 @@ import string
 
 from services.gateway.parsers.base import held_prefix_len
 from services.gateway.parsers.json_scan import ObjectScanner
-from services.gateway.parsers.streaming import StreamingToolParser
+from services.gateway.parsers.streaming import END_OF_SEQUENCE, StreamingToolParser
 from services.gateway.parsers.tools import REJECT, WAIT, JsonCallReader, WholeObjectReader
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -29,7 +29,7 @@ def mistral_tool_call_id() -> str:
 
 class MistralToolParser(StreamingToolParser):
     needs_special_tokens = True
-    end_strings = ("</s>",)
+    end_strings = END_OF_SEQUENCE
 
     default_id = staticmethod(mistral_tool_call_id)
 

@@ -8,7 +8,7 @@ allow stays in the content, verbatim, markers included."""
 from __future__ import annotations
 
 from services.gateway.parsers.base import held_prefix_len
-from services.gateway.parsers.streaming import StreamingToolParser
+from services.gateway.parsers.streaming import END_OF_SEQUENCE, StreamingToolParser
 
 
 def _find_any(buf: str, markers: tuple[str, ...]) -> tuple[int, str]:
@@ -25,6 +25,7 @@ class SectionToolParser(StreamingToolParser):
     # Whether the tokenizer marks these markers special differs by release: keep special tokens
     # in the text either way (the end-of-sequence text that then closes it is dropped).
     needs_special_tokens = True
+    end_strings = END_OF_SEQUENCE
     SECTION_BEGIN: tuple[str, ...] = ()
     SECTION_END: tuple[str, ...] = ()
     CALL_BEGIN = ""
@@ -139,7 +140,6 @@ class DeepSeekV3ToolParser(SectionToolParser):
     """`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`."""
     SECTION_BEGIN, SECTION_END = (_DS_CALLS_BEGIN,), (_DS_CALLS_END,)
     CALL_BEGIN, ARGS_BEGIN, ARGS_END, CALL_END = _DS_CALL_BEGIN, "```json", "```", _DS_CALL_END
-    end_strings = ("<｜end▁of▁sentence｜>",)
 
     def head_call(self, head: str):
         kind, sep, name = head.partition(_DS_SEP)
@@ -151,7 +151,6 @@ class DeepSeekV31ToolParser(SectionToolParser):
     """`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
     SECTION_BEGIN, SECTION_END = (_DS_CALLS_BEGIN,), (_DS_CALLS_END,)
     CALL_BEGIN, ARGS_BEGIN, ARGS_END, CALL_END = _DS_CALL_BEGIN, _DS_SEP, _DS_CALL_END, _DS_CALL_END
-    end_strings = ("<｜end▁of▁sentence｜>",)
 
     def head_call(self, head: str):
         name = head.strip()
@@ -165,7 +164,6 @@ class KimiK2ToolParser(SectionToolParser):
     SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
     CALL_BEGIN, ARGS_BEGIN = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
     ARGS_END = CALL_END = "<|tool_call_end|>"
-    end_strings = ("<|im_end|>",)
 
     def head_call(self, head: str):
         call_id = head.strip()

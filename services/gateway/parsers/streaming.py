@@ -18,6 +18,11 @@ import json
 from services.gateway.parsers.base import ToolCall, ToolCallDelta, ToolParser
 
 
+# The end-of-sequence texts of the chat models these parsers serve.
+END_OF_SEQUENCE = ("</s>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<｜end▁of▁sentence｜>",
+                   "<seed:eos>")
+
+
 class StreamingToolParser(ToolParser):
     # With special tokens kept in the text, the end-of-sequence token's text may close the
     # output: held back like trailing whitespace, and dropped if nothing follows it.

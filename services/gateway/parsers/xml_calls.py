@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from services.gateway.parsers.base import held_prefix_len
-from services.gateway.parsers.streaming import StreamingToolParser
+from services.gateway.parsers.streaming import END_OF_SEQUENCE, StreamingToolParser
 
 FUNCTION, PARAMETER = "<function=", "<parameter="
 END_FUNCTION, END_PARAMETER = "</function>", "</parameter>"
@@ -227,4 +227,4 @@ class Qwen3CoderToolParser(XmlToolParser):
 class SeedOssToolParser(XmlToolParser):
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
     needs_special_tokens = True    # Seed's <seed:...> markers may be special tokens
-    end_strings = ("<seed:eos>",)
+    end_strings = END_OF_SEQUENCE
