@@ -215,3 +215,15 @@ def test_a_long_undecided_output_is_read_in_linear_time(tool, text):
         p.feed(ch)
     p.finish()
     assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("raw,kind,value", [
+    ("3", "integer", 3), (" 3\n", "integer", 3), ("3.5", "integer", "3.5"), ("2.5", "number", 2.5),
+    ("2", "number", 2), ("nan", "number", "nan"), ("True", "boolean", True), ("yes", "boolean", "yes"),
+    ("null", "integer", None), ("null", "string", "null"), ('{"a": 1}', "object", {"a": 1}),
+    ("[1]", "object", "[1]"), ("007", "string", "007"), ("7", None, 7), ("Paris", None, "Paris"),
+    ('"quoted"', None, '"quoted"'),
+])
+def test_xml_parameter_values_are_typed_by_the_schema(raw, kind, value):
+    from services.gateway.parsers.xml_calls import typed_value
+    assert typed_value(raw, kind) == value and type(typed_value(raw, kind)) is type(value)

@@ -18,6 +18,7 @@ request did not allow stays in the content, verbatim."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from services.gateway.parsers.base import held_prefix_len
@@ -46,6 +47,8 @@ def typed_value(raw: str, kind: str | None) -> Any:
             return int(raw.strip())
         if kind == "number":
             value = float(raw.strip())
+            if not math.isfinite(value):      # nan / inf are not JSON
+                return raw
             return int(value) if value.is_integer() and "." not in raw and "e" not in raw.lower() else value
         if kind == "boolean":
             return {"true": True, "false": False}[raw.strip().lower()]
@@ -53,7 +56,7 @@ def typed_value(raw: str, kind: str | None) -> Any:
     except (ValueError, KeyError):
         return raw
     if kind in ("object", "array"):
-        return value if isinstance(value, (dict, list)) else raw
+        return value if isinstance(value, dict if kind == "object" else list) else raw
     return raw if isinstance(value, str) else value
 
 
