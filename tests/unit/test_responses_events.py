@@ -9,7 +9,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from openai._models import construct_type_unchecked
 
-from services.gateway.openai.responses_events import ResponseBuilder, history_of, usage_of
+from services.gateway.openai.responses_events import (ResponseBuilder, history_of, parse_in_order,
+                                                      usage_of)
 from services.gateway.parsers import ParsedDelta, ToolCallDelta, make_output_parser
 
 BASE = {"id": "resp_1", "created_at": 1, "model": "m", "tools": [], "tool_choice": "auto",
@@ -117,18 +118,33 @@ def test_events_are_snapshots_not_later_states():
     assert part["text"] == ""
 
 
-def test_a_real_parser_split_anywhere_gives_the_same_items():
-    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
-    outputs = []
-    for cut in (1, 5, 9, 23, len(text)):
-        parser = make_output_parser(None, "hermes", allowed_tools={"f"})
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("reasoning, text, expected", [
+    (None, "Sure." + CALL + "Done.", [("message", "Sure."), ("function_call", '{"x": 1}'),
+                                      ("message", "Done.")]),
+    ("deepseek_r1", "hmm</think>Sure." + CALL + "\n" + CALL,
+     [("reasoning", "hmm"), ("message", "Sure."), ("function_call", '{"x": 1}'),
+      ("function_call", '{"x": 1}')]),
+])
+def test_real_parsers_split_anywhere_give_the_items_in_text_order(reasoning, text, expected):
+    for cut in range(1, len(text) + 1):
+        parser = make_output_parser(reasoning, "hermes", allowed_tools={"f"})
         b = ResponseBuilder(dict(BASE), new_id=ids())
         b.start()
-        for chunk in (text[:cut], text[cut:]):
-            b.feed(parser.feed(chunk))
-        b.feed(parser.finish())
+        for chunk, last in ((text[:cut], False), (text[cut:], True)):
+            for piece in parse_in_order(parser, chunk, last):
+                b.feed(piece)
         b.finish("completed", usage_of(1, 1))
-        outputs.append([(i["type"], i.get("content", [{}])[0].get("text"), i.get("name"),
-                         i.get("arguments") and json.loads(i["arguments"])) for i in b.output])
-    assert all(o == outputs[0] for o in outputs)
-    assert outputs[0] == [("message", "Sure.", None, None), ("function_call", None, "f", {"x": 1})]
+        got = [(i["type"], i["arguments"] if i["type"] == "function_call"
+                else i["content"][0]["text"]) for i in b.output]
+        assert got == expected, cut
+
+
+def test_the_open_call_takes_its_arguments_before_text_of_the_same_piece():
+    b = ResponseBuilder(dict(BASE), new_id=ids())
+    b.feed(ParsedDelta(tool_calls=[ToolCallDelta(0, id="c", name="f", arguments='{"x": ')]))
+    b.feed(ParsedDelta(content="after", tool_calls=[ToolCallDelta(0, arguments="1}")]))
+    assert [(i["type"], i.get("arguments")) for i in b.output] == [
+        ("function_call", '{"x": 1}'), ("message", None)]

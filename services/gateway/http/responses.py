@@ -28,12 +28,12 @@ from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.responses_events import (ResponseBuilder, history_of, new_item_id,
-                                                      usage_of)
+                                                      parse_in_order, usage_of)
 from services.gateway.openai.responses_protocol import (ResponsesFunctionChoice, ResponsesRequest,
                                                         chat_param, input_messages,
                                                         to_chat_request)
 from services.gateway.openai.responses_store import ResponseStore
-from services.gateway.parsers import ParsedDelta, make_output_parser
+from services.gateway.parsers import make_output_parser
 from services.gateway.service import Gateway
 
 CANCEL_WAIT_S = 10.0   # how long a cancel waits for the response to reach its final state
@@ -90,12 +90,6 @@ class _Run:
         return usage_of(g.num_prompt_tokens, g.num_completion_tokens, g.num_cached_tokens,
                         reasoning_tokens)
 
-    def _parsed(self, text: str, last: bool) -> list[ParsedDelta]:
-        if self.parser is None:
-            return [ParsedDelta(content=text)]
-        pieces = [self.parser.feed(text)]
-        return pieces + [self.parser.finish()] if last else pieces
-
     async def events(self, first) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream events, a list per engine wake-up, ending with the final one."""
         yield self.builder.start()
@@ -108,7 +102,8 @@ class _Run:
                                                          "message": delta.error.message}
                     yield self.finish(status, await self._usage(), error)
                     return
-                events = [e for p in self._parsed(delta.text, delta.last) for e in self.builder.feed(p)]
+                events = [e for piece in parse_in_order(self.parser, delta.text, delta.last)
+                          for e in self.builder.feed(piece)]
                 if delta.last:
                     status = "incomplete" if delta.finish_reason == "length" else "completed"
                     yield events + self.finish(status, await self._usage())

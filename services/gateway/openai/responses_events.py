@@ -14,11 +14,12 @@ Whitespace-only content is held back until text follows, so the newline between 
 does not become a message of its own; a response with no other output still gets it."""
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from services.gateway.parsers import ParsedDelta
+from services.gateway.parsers import OutputParser, ParsedDelta
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 # The last event of a response, by its final status (OpenAI has no response.cancelled event:
@@ -76,6 +77,12 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         if parsed.reasoning:
             events += self._text("reasoning", parsed.reasoning)
+        calls = list(parsed.tool_calls)
+        # The call open when this piece began continues first: any text of this piece comes
+        # after the end of that call.
+        while calls and calls[0].name is None and self._open is not None \
+                and self._open["type"] == "function_call":
+            events += self._arguments(calls.pop(0).arguments)
         if parsed.content:
             content = self._held_space + parsed.content
             if content.strip() or (self._open is not None and self._open["type"] == "message"):
@@ -83,18 +90,22 @@ class ResponseBuilder:
                 events += self._text("message", content)
             else:
                 self._held_space = content
-        for call in parsed.tool_calls:
+        for call in calls:
             if call.name is not None:
                 events += self._close("completed")
                 events += self._open_item({"type": "function_call", "id": self.new_id("fc"),
                                            "call_id": call.id, "name": call.name,
                                            "arguments": "", "status": "in_progress"})
-            if call.arguments and self._open is not None and self._open["type"] == "function_call":
-                self._open["arguments"] += call.arguments
-                events.append(self._event("response.function_call_arguments.delta",
-                                          item_id=self._open["id"], output_index=len(self.output) - 1,
-                                          delta=call.arguments))
+            events += self._arguments(call.arguments)
         return events
+
+    def _arguments(self, text: str) -> list[dict[str, Any]]:
+        item = self._open
+        if not text or item is None or item["type"] != "function_call":
+            return []
+        item["arguments"] += text
+        return [self._event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=len(self.output) - 1, delta=text)]
 
     def finish(self, status: str, usage: dict[str, Any] | None = None, *,
                error: dict[str, Any] | None = None, completed_at: int | None = None,
@@ -177,6 +188,22 @@ class ResponseBuilder:
                                       part=dict(part), **where))
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
+
+
+# Before a tag or a JSON object starts and after one ends: what lies between two of these holds
+# at most one end of a reasoning block or a tool call (hermes tags, llama3_json objects).
+_ITEM_BOUNDARY = re.compile(r"(?=[<{])|(?<=[>}])")
+
+
+def parse_in_order(parser: OutputParser | None, text: str, last: bool) -> list[ParsedDelta]:
+    """`text` through the output parser, in pieces whose order is the text's: one ParsedDelta
+    holds its reasoning, content and calls without their order (openai/choices.py needs none), so
+    the text is fed up to each place where a reasoning block or a tool call may end, and what
+    follows such an end comes in a later piece."""
+    if parser is None:
+        return [ParsedDelta(content=text)] if text else []
+    pieces = [parser.feed(part) for part in _ITEM_BOUNDARY.split(text) if part]
+    return pieces + [parser.finish()] if last else pieces
 
 
 def history_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
