@@ -1,11 +1,13 @@
 """The one parser interface: model output -> reasoning, content and tool calls.
 
-Pure values in, values out (no I/O). Each concrete parser has two independent halves that
-must agree (the conformance suite checks it on golden outputs split at every boundary):
+Pure values in, values out (no I/O). Each concrete parser has two halves that must agree
+(the conformance suite checks it on golden outputs split at every boundary):
 
 - `feed(text) -> piece` / `finish() -> piece`: incremental, for streams; text that might
-  still turn into a tag is held back until it is decided;
-- `parse(text) -> whole`: the non-streamed parse of a complete output.
+  still turn into a tag is held back until it is decided; a tool call streams as it is
+  generated (a first fragment with id and name, then argument text);
+- `parse(text) -> whole`: the non-streamed parse of a complete output (the tool parsers run
+  their stream machine over the whole text: parsers/streaming.py).
 """
 from __future__ import annotations
 
