@@ -129,11 +129,6 @@ class ToolParser:
             return None
         return name, json.dumps(args, ensure_ascii=False)
 
-    def emit_call(self, name: str, arguments: str) -> list[ToolCallDelta]:
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        return [ToolCallDelta(index, id=self.new_id(), name=name),
-                ToolCallDelta(index, arguments=arguments)]
-
 
 class OutputParser:
     """Reasoning parser, then tool parser on what is not reasoning. Either may be absent."""
