@@ -15,7 +15,7 @@ from services.common import pb
 from services.common.ports import free_port
 from services.common.procs import die_with_parent
 
-METRICS_SERVICES = ("tokenizer", "scheduler", "worker", "embedder", "profiler")
+METRICS_SERVICES = ("tokenizer", "scheduler", "worker", "embedder", "profiler", "kvstore")
 
 
 @dataclass
@@ -55,6 +55,12 @@ class MeshConfig:
     gateway_args: list[str] = field(default_factory=list)  # API keys, TLS, limits (security.py)
     internal_mtls: str | None = None       # None: plain internal hops; "auto" or a dev-ca DIR
     profile_dir: str = ""                  # profiler traces (worker + profiler); "": their default
+    kv_tier: bool = True                   # start a kvstore, the secondary KV tier (docs/kvstore.md)
+    kv_tier_capacity_gb: float = 1.0       # its host memory (hard bound, LRU)
+    kv_tier_disk_dir: str = ""             # its disk spill ("" = none)
+    kv_tier_disk_gb: float = 0.0
+    kv_tier_backend: str = "memory"        # or redis://HOST:PORT
+    kvstore_addr: str = ""                 # an external kvstore instead of starting one
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -73,6 +79,13 @@ class MeshConfig:
         if self.internal_mtls not in (None, "auto"):
             from services.cli.internal_security import check_dir
             check_dir(self.internal_mtls)
+        if self.kvstore_addr:
+            from services.common.kv_blocks import check_kvstore_addr
+            check_kvstore_addr(self.kvstore_addr)
+        elif self.kv_tier:  # its flags are checked here, before any process starts
+            from services.kvstore.config import KvStoreConfig
+            KvStoreConfig(port=0, capacity_gb=self.kv_tier_capacity_gb, disk_dir=self.kv_tier_disk_dir,
+                          disk_gb=self.kv_tier_disk_gb, backend=self.kv_tier_backend)
         if self.data_parallel_size < 1 or self.tokenizer_replicas < 1:
             raise ValueError("--data-parallel-size and --tokenizer-replicas must be >= 1")
         if self.progress_timeout_s <= 0 or self.stop_grace_s <= 0:
@@ -124,13 +137,15 @@ class Mesh:
         self.worker_addr = self.engines[0].worker_addr
         self.embedder_port = free_port() if cfg.embedding_model_dir else None
         self.profiler_port = free_port()
+        self.kvstore_port = free_port() if cfg.kv_tier and not cfg.kvstore_addr else None
         self.supervisor_port = free_port()
         self.gateway_health_port = free_port()  # the gateway's own-thread health (never starved)
         # Prometheus /metrics of the gRPC-only services (the gateway serves it on its HTTP
         # port). A new service that accepts --metrics-port joins by adding its name here.
         # Replicas past the first are "<name>-<rank>".
         self.metrics_ports = {name: free_port() for name in METRICS_SERVICES
-                              if name != "embedder" or cfg.embedding_model_dir}
+                              if (name != "embedder" or cfg.embedding_model_dir)
+                              and (name != "kvstore" or self.kvstore_port)}
         for i in range(1, cfg.data_parallel_size):
             for name in ("scheduler", "worker"):
                 if name in self.metrics_ports:
@@ -139,6 +154,13 @@ class Mesh:
             if "tokenizer" in self.metrics_ports:
                 self.metrics_ports[f"tokenizer-{i}"] = free_port()
         self.metrics_ports["supervisor"] = free_port()
+
+    @property
+    def kvstore_address(self) -> str:
+        """The KV tier the engines are told about: ours, an external one, or "" (off)."""
+        if self.cfg.kvstore_addr:
+            return self.cfg.kvstore_addr
+        return f"127.0.0.1:{self.kvstore_port}" if self.kvstore_port else ""
 
     @property
     def supervisor_addr(self) -> str:
@@ -192,7 +214,8 @@ class Mesh:
     def _engine_replica(self, e: EnginePorts) -> "pb.supervisor.ReplicaSpec":
         c = self.cfg
         suffix = f"-{e.rank}" if e.rank else ""
-        engine_args = ["--max-model-len", str(c.max_model_len)]
+        engine_args = ["--max-model-len", str(c.max_model_len),
+                       *(["--kvstore-addr", self.kvstore_address] if self.kvstore_address else [])]
         worker = self._process("worker", [
             "--model", c.model_dir, "--zmq-addr", e.worker_addr, "--host", "127.0.0.1",
             "--grpc-port", str(e.worker_grpc_port), "--device", self._worker_device(e.rank), "--dtype", c.dtype,
@@ -229,7 +252,7 @@ class Mesh:
     def _replicas(self) -> list["pb.supervisor.ReplicaSpec"]:
         c, h = self.cfg, self.cfg.host
         K = pb.supervisor
-        replicas = [self._engine_replica(e) for e in self.engines]
+        replicas = [*self._kvstore_replicas(), *(self._engine_replica(e) for e in self.engines)]
         for i, port in enumerate(self.tokenizer_ports):
             tok_args = ["--model", c.model_dir, "--host", "127.0.0.1", "--port", str(port)]
             if c.chat_template:
@@ -277,6 +300,20 @@ class Mesh:
                                                   f"{probe_host}:{c.port}/metrics"))
         return replicas
 
+    def _kvstore_replicas(self) -> list["pb.supervisor.ReplicaSpec"]:
+        """The kvstore (docs/kvstore.md), unless the tier is off or external."""
+        if self.kvstore_port is None:
+            return []
+        c = self.cfg
+        addr = f"127.0.0.1:{self.kvstore_port}"
+        args = ["--host", "127.0.0.1", "--port", str(self.kvstore_port), "--capacity-gb", str(c.kv_tier_capacity_gb),
+                "--backend", c.kv_tier_backend,
+                *(["--disk-dir", c.kv_tier_disk_dir, "--disk-gb", str(c.kv_tier_disk_gb)] if c.kv_tier_disk_dir else [])]
+        return [pb.supervisor.ReplicaSpec(
+            id="kvstore-0", kind=pb.supervisor.REPLICA_KIND_KVSTORE, addr=addr, unhealthy_after_s=LOOP_HEALTH_HANG_S,
+            processes=[self._process("kvstore", args, health_addr=addr, health_service="kvstore")],
+            metrics_url=self.metrics_url("kvstore"))]
+
     def _profiler_replica(self) -> "pb.supervisor.ReplicaSpec":
         from services.profiler.launch import profiler_argv
         # Every replica's TelemetryControl (replica 0 under the plain names, as in services_line).
@@ -289,6 +326,8 @@ class Mesh:
             services[f"worker{suffix}"] = f"127.0.0.1:{e.worker_grpc_port}"
         if self.embedder_port is not None:
             services["embedder"] = f"127.0.0.1:{self.embedder_port}"
+        if self.kvstore_port is not None:
+            services["kvstore"] = f"127.0.0.1:{self.kvstore_port}"
         workers = {f"worker{e.rank}": f"127.0.0.1:{e.worker_grpc_port}" for e in self.engines}
         args, env = profiler_argv(self.profiler_port, workers, services,
                                   f"{self.cfg.host}:{self.cfg.grpc_port}", self.cfg.gateway_args,
@@ -330,6 +369,8 @@ class Mesh:
                  f"worker={self.worker_addr}", f"worker-health=127.0.0.1:{self.worker_grpc_port}"]
         if self.embedder_port:
             parts.append(f"embedder=127.0.0.1:{self.embedder_port}")
+        if self.kvstore_address:
+            parts.append(f"kvstore={self.kvstore_address}")
         parts += [f"profiler=127.0.0.1:{self.profiler_port}", f"supervisor={self.supervisor_addr}",
                   f"gateway-health=127.0.0.1:{self.gateway_health_port}"]
         for e in self.engines[1:]:

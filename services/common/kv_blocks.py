@@ -60,3 +60,18 @@ def namespace_id(ns: "kv_pb2.KvNamespace") -> bytes:
 def check_hash(block_hash: bytes) -> None:
     if not 0 < len(block_hash) <= MAX_HASH_BYTES:
         raise NamespaceError(f"a block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(block_hash)}")
+
+
+def add_kvstore_flag(parser) -> None:
+    """`--kvstore-addr` on an engine service (scheduler, worker): where the secondary KV tier is."""
+    parser.add_argument("--kvstore-addr", default="",
+                        help="the kvstore (secondary KV tier, docs/kvstore.md) HOST:PORT; empty: none")
+
+
+def check_kvstore_addr(addr: str) -> None:
+    """ValueError unless `addr` is empty or HOST:PORT (an IPv6 host in brackets)."""
+    if not addr:
+        return
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--kvstore-addr must be HOST:PORT, got {addr!r}")

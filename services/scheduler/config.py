@@ -29,6 +29,7 @@ class SchedulerServiceConfig:
     health_port: int = 0              # grpc.health.v1 on its own thread (health_thread.py); 0 = off
     progress_timeout_s: float = 30.0  # work pending and no step completed this long: NOT_SERVING
     shutdown_grace_s: float = 20.0    # SIGTERM: in-flight requests get this long, then fail
+    kvstore_addr: str = ""            # the secondary KV tier (docs/kvstore.md); not used yet
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -48,3 +49,5 @@ class SchedulerServiceConfig:
             raise ValueError("--progress-timeout-s must be positive and --shutdown-grace-s >= 0")
         from services.common.metrics import check_metrics_config
         check_metrics_config(self.metrics_port, self.engine_id)
+        from services.common.kv_blocks import check_kvstore_addr
+        check_kvstore_addr(self.kvstore_addr)

@@ -6,6 +6,7 @@ import asyncio
 
 from services.common import telemetry
 from services.common import internal_tls, procs
+from services.common.kv_blocks import add_kvstore_flag
 from services.common.grpc_server import bind, make_server
 from services.common.log import setup_logging
 from services.common.metrics import add_metrics_args, start_metrics_server
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
     p.add_argument("--shutdown-grace-s", type=float, default=20.0,
                    help="on SIGTERM: readiness off, new requests refused, in-flight ones get this long")
     add_metrics_args(p, engine_id=True)
+    add_kvstore_flag(p)
     internal_tls.add_flags(p)
     p.add_argument("--zmq-curve-secret-key", default="",
                    help="CURVE on the worker link: this scheduler's secret key file (NAME.key_secret)")
@@ -59,7 +61,7 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
                                       zmq_curve=CurveClientKeys(a.zmq_curve_secret_key, a.zmq_curve_server_key),
                                       engine_id=a.engine_id, metrics_port=a.metrics_port,
                                       health_port=a.health_port, progress_timeout_s=a.progress_timeout_s,
-                                      shutdown_grace_s=a.shutdown_grace_s)
+                                      shutdown_grace_s=a.shutdown_grace_s, kvstore_addr=a.kvstore_addr)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -45,6 +45,7 @@ class WorkerConfig:
     tp_init_method: str = ""           # torch.distributed rendezvous, set by rank 0 likewise
     engine_id: str = "0"               # the `engine` label of this worker's metrics
     metrics_port: int = 0              # Prometheus /metrics on host:metrics_port; 0 = off
+    kvstore_addr: str = ""             # the secondary KV tier (docs/kvstore.md); not used yet
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -86,6 +87,8 @@ class WorkerConfig:
             raise ValueError("a tensor-parallel rank > 0 needs a tcp:// init method")
         from services.common.metrics import check_metrics_config
         check_metrics_config(self.metrics_port, self.engine_id)
+        from services.common.kv_blocks import check_kvstore_addr
+        check_kvstore_addr(self.kvstore_addr)
         if not self.served_model_name:
             self.served_model_name = os.path.basename(os.path.normpath(self.model))
 

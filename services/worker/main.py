@@ -7,6 +7,7 @@ import os
 
 from services.common import telemetry
 from services.common import internal_tls
+from services.common.kv_blocks import add_kvstore_flag
 from services.common.log import setup_logging
 from services.common.metrics import add_metrics_args
 from services.common.profiling import default_profile_dir
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--profile-dir", default=default_profile_dir(),
                    help="torch.profiler traces go under this directory (WorkerControl); "
                         "default $MESHLLM_CACHE/profiles or ~/.cache/meshllm/profiles")
+    add_kvstore_flag(p)
     internal_tls.add_flags(p)
     p.add_argument("--zmq-curve-secret-key", default="",
                    help="CURVE on the ROUTER: this worker's secret key file (NAME.key_secret)")
@@ -80,7 +82,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                             profile_dir=a.profile_dir, tensor_parallel_size=a.tensor_parallel_size, tp_rank=a.tp_rank,
                             tp_init_method=a.tp_init_method, internal_tls=internal_tls.from_args(a),
                             zmq_curve=CurveServerKeys(a.zmq_curve_secret_key, a.zmq_curve_clients),
-                            engine_id=a.engine_id, metrics_port=a.metrics_port)
+                            engine_id=a.engine_id, metrics_port=a.metrics_port, kvstore_addr=a.kvstore_addr)
     except ValueError as exc:
         p.error(str(exc))
 
