@@ -33,6 +33,7 @@ class MeshConfig:
     block_size: int = 16
     kv_cache_memory_gb: float = 1.0
     kv_cache_dtype: str = "auto"           # worker --kv-cache-dtype: auto, fp8, fp8_e4m3
+    quantization: str = "none"             # worker --quantization: none, fp8
     num_kv_blocks: int = 0                 # 0: sized from kv_cache_memory_gb
     chat_template: str | None = None
     embedding_model_dir: str | None = None  # a BERT dir served by an embedder; None: no embeddings
@@ -92,9 +93,11 @@ class MeshConfig:
             raise ValueError("--progress-timeout-s and --shutdown-grace-s must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        from services.worker.config import KV_CACHE_DTYPES
+        from services.worker.config import KV_CACHE_DTYPES, QUANTIZATIONS
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 # Services other than the scheduler answer health on the event loop that carries their
@@ -220,6 +223,7 @@ class Mesh:
             "--model", c.model_dir, "--zmq-addr", e.worker_addr, "--host", "127.0.0.1",
             "--grpc-port", str(e.worker_grpc_port), "--device", self._worker_device(e.rank), "--dtype", c.dtype,
             "--kv-cache-memory-gb", str(c.kv_cache_memory_gb), "--kv-cache-dtype", c.kv_cache_dtype,
+            *(["--quantization", c.quantization] if c.quantization != "none" else []),
             *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
             "--served-model-name", c.served_model_name, *engine_args,
             *(["--tensor-parallel-size", str(c.tensor_parallel_size)] if c.tensor_parallel_size > 1 else []),

@@ -12,6 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # per-tensor scales 1.0). fp8_e5m2 is not offered: the kernels store e4m3 only.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 OVERLAP_MODES = ("auto", "on", "off")
+# --quantization: none, or fp8 = e4m3 projections with per-output-channel scales (models/fp8.py).
+QUANTIZATIONS = ("none", "fp8")
 DEVICES = ("cpu", "cuda")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -27,6 +29,7 @@ class WorkerConfig:
     max_model_len: int = 0             # 0: the model's max_position_embeddings
     kv_cache_memory_gb: float = 1.0
     kv_cache_dtype: str = "auto"       # KV_CACHE_DTYPES; fp8 halves the bytes per block
+    quantization: str = "none"         # QUANTIZATIONS: "fp8" = per-channel FP8 projections (models/fp8.py)
     num_kv_blocks: int = 0             # 0: size the cache from kv_cache_memory_gb
     block_size: int = 16               # initial block size; WorkerHello may change it
     served_model_name: str = ""        # "": the model directory's name
@@ -60,6 +63,8 @@ class WorkerConfig:
             raise ValueError(f"--overlap-steps must be one of {OVERLAP_MODES}, got {self.overlap_steps!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.max_model_len < 0:

@@ -36,7 +36,7 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
     device = torch.device(cfg.rank_device)
     if tp is not None:
         tp.connect(device)
-    model = load_model(cfg.model, device, cfg.torch_dtype, cfg.max_model_len or None)
+    model = load_model(cfg.model, device, cfg.torch_dtype, cfg.max_model_len or None, quantization=cfg.quantization)
     if tp is not None:
         model = shard_model(model, tp.rank, tp.size, tp.group)
     runner = ModelRunner(model, model_name=cfg.served_model_name, kv_cache_bytes=cfg.kv_cache_bytes,

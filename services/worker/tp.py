@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from services.worker.models.config import ModelConfig, ModelConfigError
+from services.worker.models.fp8 import Fp8Weight
 from services.worker.models.llama import LayerWeights, LlamaModel
 
 
@@ -44,6 +45,19 @@ def _rows(t: torch.Tensor | None, start: int, size: int) -> torch.Tensor | None:
     return None if t is None else t[start:start + size].contiguous()
 
 
+def _take_rows(w, spans: list[tuple[int, int]]):
+    """Rows [start, start + size) of each span, concatenated (a tensor or an Fp8Weight)."""
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight.cat([w.rows(a, n) for a, n in spans])
+    return torch.cat([w[a:a + n] for a, n in spans]).contiguous()
+
+
+def _take_cols(w, start: int, size: int):
+    if isinstance(w, Fp8Weight):
+        return w.cols(start, size)     # per-output-channel scales: unchanged by a K split
+    return w[:, start:start + size].contiguous()
+
+
 def shard_model(model: LlamaModel, rank: int, world_size: int, group=None) -> LlamaModel:
     """The rank's shard of a loaded (full) model, as a new LlamaModel wired to `group`."""
     cfg = model.cfg
@@ -53,26 +67,23 @@ def shard_model(model: LlamaModel, rank: int, world_size: int, group=None) -> Ll
     qs, ks, i_s = nh // n * d, kvh // n * d, inter // n
     layers = []
     for lw in model.layers:
-        q_all, k_all, v_all = lw.qkv.split([nh * d, kvh * d, kvh * d], dim=0)
-        qkv = torch.cat([q_all[rank * qs:(rank + 1) * qs], k_all[rank * ks:(rank + 1) * ks],
-                         v_all[rank * ks:(rank + 1) * ks]]).contiguous()
+        qkv = _take_rows(lw.qkv, [(rank * qs, qs), (nh * d + rank * ks, ks), (nh * d + kvh * d + rank * ks, ks)])
         qkv_bias = None
         if lw.qkv_bias is not None:
             qb, kb, vb = lw.qkv_bias.split([nh * d, kvh * d, kvh * d])
             qkv_bias = torch.cat([qb[rank * qs:(rank + 1) * qs], kb[rank * ks:(rank + 1) * ks],
                                   vb[rank * ks:(rank + 1) * ks]])
-        gate, up = lw.gate_up.chunk(2, dim=0)
-        gate_up = torch.cat([gate[rank * i_s:(rank + 1) * i_s], up[rank * i_s:(rank + 1) * i_s]]).contiguous()
+        gate_up = _take_rows(lw.gate_up, [(rank * i_s, i_s), (inter + rank * i_s, i_s)])
         gate_up_bias = None
         if lw.gate_up_bias is not None:
             gb, ub = lw.gate_up_bias.chunk(2)
             gate_up_bias = torch.cat([gb[rank * i_s:(rank + 1) * i_s], ub[rank * i_s:(rank + 1) * i_s]])
         layers.append(LayerWeights(
             input_norm=lw.input_norm, qkv=qkv, qkv_bias=qkv_bias,
-            o=lw.o[:, rank * qs:(rank + 1) * qs].contiguous(),
+            o=_take_cols(lw.o, rank * qs, qs),
             o_bias=lw.o_bias if rank == 0 else None,
             post_norm=lw.post_norm, gate_up=gate_up, gate_up_bias=gate_up_bias,
-            down=lw.down[:, rank * i_s:(rank + 1) * i_s].contiguous(),
+            down=_take_cols(lw.down, rank * i_s, i_s),
             down_bias=lw.down_bias if rank == 0 else None,
             q_norm=lw.q_norm, k_norm=lw.k_norm))
     local_cfg = dataclasses.replace(cfg, num_heads=nh // n, num_kv_heads=kvh // n, intermediate_size=i_s)

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from services.worker.kernels.fp8 import fp8_linear
+from services.worker.models.fp8 import Fp8Weight
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) from the H200 sweep, by K.
 _CONFIGS = {4096: (16, 512, 8, 2), 14336: (16, 1024, 8, 4)}
 _DEFAULT = (16, 256, 4, 4)
@@ -52,8 +55,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with one-row inputs on the GPU through `gemv`."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with one-row inputs on the GPU through `gemv`; FP8 weights through kernels/fp8.py."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
     if ENABLED and x.shape[0] == 1 and x.is_cuda and x.stride(1) == 1 and w.stride(1) == 1:
         return gemv(x, w, bias)
     return F.linear(x, w, bias)

