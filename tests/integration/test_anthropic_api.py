@@ -52,6 +52,16 @@ def keyed_client(keyed):
                                timeout=120, max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def reasoning_client(mesh):
+    # deepseek_r1 reads a model's output as reasoning until </think>: SmolLM2 never writes it,
+    # so all of its output is thinking, which shows where the blocks go.
+    gw = start_gateway(mesh, "--reasoning-parser", "deepseek_r1")
+    yield anthropic.Anthropic(base_url=f"http://127.0.0.1:{gw.http_port}", api_key="unused",
+                              timeout=120, max_retries=0)
+    gw.stop()
+
+
 def _text(message) -> str:
     return "".join(b.text for b in message.content if b.type == "text")
 
@@ -168,6 +178,24 @@ def test_output_config_format_constrains_the_text_to_the_schema(client, mesh):
                                output_config={"format": {"type": "json_schema", "schema": schema}})
     assert r.stop_reason == "end_turn", r
     jsonschema.validate(json.loads(_text(r)), schema)
+
+
+def test_thinking_comes_back_as_thinking_blocks_whole_and_streamed(reasoning_client, mesh):
+    kw = dict(model=mesh.model_name, messages=COUNT, max_tokens=8, extra_body=T0)
+    whole = reasoning_client.messages.create(thinking={"type": "adaptive"}, **kw)
+    [block] = whole.content
+    assert block.type == "thinking" and block.thinking.strip() and block.signature == ""
+    assert whole.stop_reason == "max_tokens"
+    with reasoning_client.messages.stream(thinking={"type": "adaptive"}, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert {d.type for d in deltas} == {"thinking_delta", "signature_delta"}
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == block.thinking
+    assert final.content == whole.content
+    # Not asked for: the reasoning is neither thinking nor text.
+    hidden = reasoning_client.messages.create(thinking={"type": "disabled"}, **kw)
+    assert hidden.content == [] and hidden.usage.output_tokens == 8
 
 
 # -- errors ------------------------------------------------------------------------------------
