@@ -100,6 +100,9 @@ GOLDEN = {
         ('<tool_call>{"name": "get_weather"}</tool_call>',
          ("", '<tool_call>{"name": "get_weather"}</tool_call>', [])),
         ("x < y, no calls", ("", "x < y, no calls", [])),
+        ("Calling.\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\nDone.",
+         ("", "Calling.\nDone.", [("get_weather", '{"city": "Paris"}')])),           # no <tool_call>
+        ("see <function=nope> and <function=", ("", "see <function=nope> and <function=", [])),
     ],
     ("seed_oss", "seed_oss"): [
         (f"<seed:think>The user asks for the weather.</seed:think>{SEED}",

@@ -67,6 +67,7 @@ def _first_end(buf: str) -> int:
 
 class XmlToolParser(StreamingToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    BARE_FUNCTIONS = False    # also read a `<function=...>` that comes without OPEN
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -78,6 +79,7 @@ class XmlToolParser(StreamingToolParser):
         self.streaming = False
         self.value_started = False
         self.newline = ""     # a trailing newline held back from a streamed value
+        self.wrapped = True   # the open call came inside OPEN ... CLOSE
 
     def advance(self, final: bool) -> None:
         while getattr(self, "_" + self.state)(final):
@@ -89,14 +91,26 @@ class XmlToolParser(StreamingToolParser):
 
     # -- states: True to go on, False to wait for more text -----------------------------------
     def _text(self, final: bool) -> bool:
-        start = self.buf.find(self.OPEN)
-        if start < 0:
-            keep = 0 if final else held_prefix_len(self.buf, self.OPEN)
+        markers = (self.OPEN, FUNCTION) if self.BARE_FUNCTIONS else (self.OPEN,)
+        hits = [(i, m) for m in markers if (i := self.buf.find(m)) >= 0]
+        if not hits:
+            keep = 0 if final else max(held_prefix_len(self.buf, m) for m in markers)
             self.emit_content(self.take(len(self.buf) - keep))
             return False
+        start, marker = min(hits)
         self.emit_content(self.take(start))
-        self.take(len(self.OPEN))
+        self.wrapped = marker == self.OPEN
+        if self.wrapped:
+            self.take(len(self.OPEN))
         self.state = "function"
+        return True
+
+    def _reject(self) -> bool:
+        if self.wrapped:
+            self.state = "rejected"
+        else:                      # a bare `<function=` that is no call: it was content
+            self.emit_content(self.take(len(FUNCTION)))
+            self.state = "text"
         return True
 
     def _function(self, final: bool) -> bool:
@@ -104,19 +118,14 @@ class XmlToolParser(StreamingToolParser):
         if not head.startswith(FUNCTION):
             if FUNCTION.startswith(head) and not final:
                 return False
-            self.state = "rejected"
-            return True
+            return self._reject()
         lead = len(self.buf) - len(head)
         end, _ = self.find(">")
         if end < 0:
-            if final:
-                self.state = "rejected"
-                return True
-            return False
+            return self._reject() if final else False
         name = self.buf[lead + len(FUNCTION):end].strip()
         if not self.allowed(name):
-            self.state = "rejected"
-            return True
+            return self._reject()
         self.take(end + 1)
         self.open_call(name)
         self.function, self.members, self.state = name, 0, "params"
@@ -143,7 +152,7 @@ class XmlToolParser(StreamingToolParser):
                 self._end_function()
                 if marker == END_FUNCTION:
                     self.take(len(marker))
-                    self.state = "after"
+                    self.state = "after" if self.wrapped else "text"
                 else:
                     self.state = "text"
                     self.take(len(marker))
@@ -224,7 +233,10 @@ class XmlToolParser(StreamingToolParser):
 
 
 class Qwen3CoderToolParser(XmlToolParser):
+    """Qwen3-Coder sometimes leaves out `<tool_call>`: a bare `<function=NAME>` (an allowed
+    NAME) is a call too, as vLLM's parser reads it."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    BARE_FUNCTIONS = True
 
 
 class SeedOssToolParser(XmlToolParser):
