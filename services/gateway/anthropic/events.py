@@ -10,7 +10,6 @@ Output goes through the configured output parser (reasoning and tool calls), as 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 
 from services.gateway.anthropic.convert import content_blocks, stop_reason_of
 from services.gateway.clients.request_handle import Delta
@@ -125,7 +124,7 @@ class MessageBuilder:
         return event({"type": "content_block_delta",
                       "index": self._index if index is None else index, "delta": delta})
 
-    def _text_like(self, kind: str, text: str) -> Iterable[str]:
+    def _text_like(self, kind: str, text: str) -> list[str]:
         out = []
         if self._open != kind:
             empty = {"type": "text", "text": ""} if kind == "text" else \

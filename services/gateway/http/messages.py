@@ -15,7 +15,7 @@ from services.gateway.anthropic.convert import (ChatPrompt, chat_prompt, new_mes
                                                new_tool_use_id)
 from services.gateway.anthropic.errors import error_body, error_event
 from services.gateway.anthropic.events import MessageBuilder, usage
-from services.gateway.anthropic.protocol import CountTokensRequest, MessagesRequest, PromptRequest
+from services.gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from services.gateway.clients.request_handle import Delta
 from services.gateway.errors import ApiError, invalid
 from services.gateway.http.body import ClientGone, read_body, watch
@@ -44,7 +44,7 @@ def _error(request: Request, err: ApiError) -> JSONResponse:
     return JSONResponse(error_body(err, rid), status_code=err.http_status, headers=headers)
 
 
-async def _prompt_ids(gw: Gateway, req: PromptRequest, prompt: ChatPrompt) -> list[int]:
+async def _prompt_ids(gw: Gateway, prompt: ChatPrompt) -> list[int]:
     return await gw.tokenize_chat(prompt.messages, prompt.add_generation_prompt,
                                   prompt.continue_final_message, tools_json=prompt.plan.tools_json,
                                   chat_template_kwargs_json=prompt.template_kwargs_json)
@@ -106,7 +106,7 @@ async def _create(request: Request, gw: Gateway) -> Response:
             parallel=prompt.parallel_tool_calls)
     # Before any tokenizer work, as chat does.
     await gw.check_sampling(sampling, req.rule_options(), structured_param)
-    prompt_ids = await _prompt_ids(gw, req, prompt)
+    prompt_ids = await _prompt_ids(gw, prompt)
     message_id = new_message_id()
     handles = gw.start_n(message_id, prompt_ids, sampling, 1, prompt_param="messages")
     group = ChoiceGroup(message_id, handles)
@@ -148,7 +148,7 @@ async def _count_tokens(request: Request, gw: Gateway) -> Response:
     req = parse_body(CountTokensRequest, await read_body(request, cfg.max_body_bytes))
     gw.check_model(req.model)
     prompt = chat_prompt(req, cfg.tool_call_parser, cfg.reasoning_parser)
-    return JSONResponse({"input_tokens": len(await _prompt_ids(gw, req, prompt))},
+    return JSONResponse({"input_tokens": len(await _prompt_ids(gw, prompt))},
                         headers=_request_id(request))
 
 
