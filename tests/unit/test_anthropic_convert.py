@@ -110,9 +110,11 @@ def test_tool_choice_any_and_tool_are_forced_auto_parses_and_none_renders_nothin
 
 
 @pytest.mark.parametrize("body, param, text", [
-    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice", "nope"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice",
+     "names tool 'nope'"),
     ({"tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, "tools", "tools.0.input_schema"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice", "tools"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "'any' needs a non-empty tools list"),
+    ({"tool_choice": {"type": "auto"}}, "tool_choice", "tools"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(body, param, text):
     err = _refused(_chat, _req(**body))

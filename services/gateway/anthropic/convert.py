@@ -125,6 +125,11 @@ def _tools(req: PromptRequest) -> tuple[list[dict], object, bool]:
     if choice is None:
         return tools, None, True
     parallel = not getattr(choice, "disable_parallel_tool_use", None)
+    if choice.type in ("any", "tool") and not tools:
+        raise invalid(f"tool_choice {choice.type!r} needs a non-empty tools list", "tool_choice")
+    if choice.type == "tool" and choice.name not in {t["function"]["name"] for t in tools}:
+        raise invalid(f"tool_choice names tool {choice.name!r}, which is not in tools",
+                      "tool_choice")
     if choice.type == "any":
         return tools, "required", parallel
     if choice.type == "tool":
