@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import jsonschema
 import openai
@@ -154,9 +155,37 @@ def test_cancel_stops_a_running_stream(client, mesh):
     assert got.status == "cancelled" and got.usage.output_tokens < 400
 
 
+def _wait_until_over(client, response_id, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
+
+
+def test_a_background_response_runs_without_the_client_and_is_polled(client, mesh):
+    r = client.responses.create(model=mesh.model_name, input="Say hello.", max_output_tokens=8,
+                                temperature=0, background=True)
+    assert r.background is True and r.status == "in_progress" and r.output == []
+    done = _wait_until_over(client, r.id)
+    assert done.status in ("completed", "incomplete") and done.output_text
+    assert 0 < done.usage.output_tokens <= 8
+
+
+def test_cancel_stops_a_background_response_and_a_second_cancel_changes_nothing(client, mesh):
+    r = client.responses.create(model=mesh.model_name, input=LONG, max_output_tokens=400,
+                                temperature=0, background=True)
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.id == r.id and cancelled.status == "cancelled"
+    got = client.responses.retrieve(r.id)
+    assert got.status == "cancelled" and got.usage.output_tokens < 400
+    assert client.responses.cancel(r.id).status == "cancelled"   # over: returned unchanged
+
+
 def test_unsupported_fields_are_a_400_naming_them(client, mesh):
     for kwargs, param in (({"tools": [{"type": "web_search"}]}, "tools"),
-                          ({"background": True}, "background"),
+                          ({"background": True, "store": False}, "background"),
                           ({"input": [{"role": "user", "content": [
                               {"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input"),
                           ({"include": ["message.output_text.logprobs"]}, "include")):

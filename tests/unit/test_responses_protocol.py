@@ -125,6 +125,13 @@ def test_chat_field_names_in_errors_become_the_responses_names():
     assert chat_param(err["param"]) == "input"
 
 
+@pytest.mark.parametrize("extra", [{"store": False}, {"stream": True}])
+def test_a_background_response_must_be_stored_and_not_streamed(extra):
+    err = error_of(to_chat_request, parse(input="x", background=True, **extra), [])
+    assert err["param"] == "background"
+    to_chat_request(parse(input="x", background=True), [])   # stored (the default) is fine
+
+
 def test_a_value_the_chat_request_refuses_is_a_400_naming_it():
     err = error_of(to_chat_request, parse(input="x", seed=2 ** 64), [])
     assert err["param"] == "seed"

@@ -1,5 +1,6 @@
-"""The OpenAI Responses API: `POST /v1/responses` (whole or streamed), `GET /v1/responses/{id}`,
-`POST /v1/responses/{id}/cancel`, `DELETE /v1/responses/{id}` (docs/api_responses.md).
+"""The OpenAI Responses API: `POST /v1/responses` (whole, streamed or in the background),
+`GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `DELETE /v1/responses/{id}`
+(docs/api_responses.md).
 
 A request becomes the chat request that serves it (openai/responses_protocol.py) and runs the
 chat path's public steps (model check, sampling rules, tool plan and enforced tool grammar,
@@ -7,7 +8,8 @@ chat template, Gateway.start_n); its output goes through the configured output p
 output items and stream events (openai/responses_events.py). Stored responses live in a
 bounded per-API-key store (openai/responses_store.py); the responses running now are in
 `_Runs`, which cancel reaches (bounded by the gateway's in-flight limit: an entry lives as
-long as its admitted engine request, and is removed when it ends)."""
+long as its admitted engine request, and is removed when it ends). A background response runs
+in a task of `_Runs.tasks` (held until it ends: admission bounds them like any request)."""
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +47,7 @@ def _echo(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]
     choice = req.tool_choice
     return {
         "id": response_id, "created_at": int(time.time()), "model": model,
-        "background": False, "instructions": req.instructions,
+        "background": bool(req.background), "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
         "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
@@ -77,6 +79,18 @@ class _Run:
     def cancel(self) -> None:
         self.cancelled = True
         self.group.abort()
+
+    async def run_in_background(self) -> None:
+        """Generate with no client listening; the store receives the end."""
+        try:
+            first = await anext(self.group)
+            if first[1].error is not None and not self.cancelled:
+                self.finish("failed", await self._usage(),
+                            {"code": "server_error", "message": first[1].error.message})
+                return
+            await _drain(self.events(first))
+        finally:
+            self.close()
 
     async def _usage(self) -> dict[str, Any]:
         reasoning_tokens = 0
@@ -164,6 +178,7 @@ class _Runs:
         self.store = ResponseStore(cfg.responses_store_max_entries, cfg.responses_store_max_bytes,
                                    cfg.responses_store_ttl_s)
         self.active: dict[tuple[str, str], _Run] = {}
+        self.tasks: set[asyncio.Task] = set()   # background responses (a reference keeps each)
         self.keys = ApiKeys(cfg.api_keys, cfg.admin_api_keys)
 
     def owner(self, request: Request) -> str:
@@ -223,6 +238,11 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         builder = ResponseBuilder(_echo(req, response_id, req.model or gw.model_name))
         run = _Run(runs, owner, group, builder, parser, history + input_messages(req.input),
                    req.stores)
+        if req.background:
+            task = asyncio.create_task(run.run_in_background())
+            runs.tasks.add(task)
+            task.add_done_callback(runs.tasks.discard)
+            return JSONResponse(builder.response | {"output": []})
         try:
             # Wait for the first step before committing to 200, so early failures get a status.
             first = await watch(request, group, anext(group))
@@ -252,8 +272,8 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         for name in _RETRIEVE_QUERY:
             value = request.query_params.get(name)
             if value not in (None, "", "false"):
-                raise invalid(f"the query parameter {name} is not supported (no background "
-                              "responses, so nothing to stream again)", name)
+                raise invalid(f"the query parameter {name} is not supported (responses are "
+                              "not streamed again)", name)
         return JSONResponse(runs.stored(runs.owner(request), response_id).body)
 
     @app.delete("/v1/responses/{response_id}")
@@ -272,9 +292,12 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         owner = runs.owner(request)
         run = runs.active.get((owner, response_id))
         if run is None:
-            status = runs.stored(owner, response_id).body.get("status")
-            raise invalid(f"response {response_id!r} has status {status!r}: only a response "
-                          "in progress can be cancelled", "response_id")
+            body = runs.stored(owner, response_id).body
+            if body.get("background"):   # over already: cancelling it changes nothing (OpenAI)
+                return JSONResponse(body)
+            raise invalid(f"response {response_id!r} has status {body.get('status')!r}: only a "
+                          "background response, or one still running, can be cancelled",
+                          "response_id")
         run.cancel()
         try:
             await asyncio.wait_for(run.done.wait(), CANCEL_WAIT_S)

@@ -10,7 +10,7 @@ go through the chat path's own validation (openai/protocol.py, chat_tools.py, to
 rather than a copy of it; `chat_param` names the Responses field in the errors it raises.
 
 What the Responses API has and this server does not do is refused with a 400 that names the
-field (built-in tools, non-text inputs, background, include, logprobs, truncation "auto", ...);
+field (built-in tools, non-text inputs, include, logprobs, truncation "auto", ...);
 docs/api_responses.md lists every field with its status."""
 from __future__ import annotations
 
@@ -216,8 +216,8 @@ class ResponsesRequest(BaseModel):
          "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
          "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS}}, {"type": "null"}]})
     user: str | None = None
+    background: bool | None = None     # run without the client: poll, cancel (needs store)
     # Refused unless absent or at their "off" value (a 400 naming the field, check_unsupported).
-    background: bool | None = Field(None, json_schema_extra=_only(False))
     include: list[str] | None = Field(None, json_schema_extra={"anyOf": [
         {"type": "array", "maxItems": 0}, {"type": "null"}]})
     top_logprobs: int | None = Field(None, json_schema_extra=_only(0))
@@ -289,8 +289,10 @@ class ResponsesRequest(BaseModel):
     # -- what this server does not do ---------------------------------------------------------
     def check_unsupported(self) -> None:
         refusals = (
-            ("background", bool(self.background), "background responses are not supported: "
-             "omit background or send false"),
+            ("background", bool(self.background and self.store is False), "a background "
+             "response must be stored: it is read with GET /v1/responses/{id}; omit store"),
+            ("background", bool(self.background and self.stream), "a background response "
+             "cannot be streamed here (no resumable event stream): poll GET /v1/responses/{id}"),
             ("include", bool(self.include), "include is not supported (no encrypted reasoning, "
              "logprobs or tool sources are returned)"),
             ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported on "
