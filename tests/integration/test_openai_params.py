@@ -142,14 +142,13 @@ def test_chat_logprobs_and_top_logprobs(client, mesh):
     assert plain.choices[0].logprobs is None
 
 
-def test_echo_prefixes_the_prompt_and_refuses_prompt_logprobs(client, mesh, greedy):
+def test_echo_prefixes_the_prompt(client, mesh, greedy):
+    # echo with logprobs (the prompt's logprobs first): tests/integration/test_prompt_logprobs.py
     r = complete(client, mesh, temperature=0, echo=True, ignore_eos=True)
     assert r.choices[0].text == PROMPT + greedy
     streamed = "".join(c.choices[0].text for c in complete(client, mesh, temperature=0, echo=True,
                                                            ignore_eos=True, stream=True) if c.choices)
     assert streamed == PROMPT + greedy
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        complete(client, mesh, echo=True, logprobs=1)
 
 
 def test_usage_counts_equal_the_tokenizer_counts_and_user_is_accepted(client, mesh, http):

@@ -83,7 +83,10 @@ def test_malformed_bodies_give_readable_400s(raw, needle, param):
     ({"n": 17}, "n"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"),
-    ({"echo": True, "logprobs": 2}, "echo"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ({"logprobs": 21}, "logprobs"),
 ])
 def test_unsupported_or_out_of_range_parameters_are_rejected(fields, param):

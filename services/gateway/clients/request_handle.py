@@ -15,6 +15,7 @@ from typing import Protocol
 from services.common import pb
 from services.gateway.errors import ApiError
 from services.gateway.openai.finish import finish_of_output
+from services.gateway.openai.prompt_logprobs import string_ids
 from services.gateway.openai.stop_strings import StopStringMatcher
 
 DETOKENIZE_PREFIX_TOKENS = 8  # prompt context so the first output token keeps its space
@@ -40,6 +41,8 @@ class Delta:
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int = 0
     token_strings: dict[int, str] = field(default_factory=dict)  # ids in logprobs -> text
+    # sampling.prompt_logprobs: the prompt's PromptLogprobs, on the request's first Delta
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def last(self) -> bool:
@@ -51,6 +54,8 @@ class Delta:
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.token_strings.update(later.token_strings)
+        if later.prompt_logprobs:
+            self.prompt_logprobs += later.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
@@ -79,6 +84,7 @@ class RequestHandle:
         self._prefix = list(submit_msg.prompt_token_ids[-DETOKENIZE_PREFIX_TOKENS:])
         self._skip_special = sampling.skip_special_tokens
         self._want_token_strings = sampling.HasField("logprobs")
+        self._want_prompt_strings = sampling.HasField("prompt_logprobs")
         self._stop_token_ids = set(sampling.stop_token_ids)
         self._matcher = StopStringMatcher(list(sampling.stop), sampling.include_stop_str_in_output)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -150,6 +156,10 @@ class RequestHandle:
             ids = {lp.token_id for lp in out.logprobs}
             ids.update(t.token_id for lp in out.logprobs for t in lp.top)
             item.token_string_ids.extend(sorted(ids))
+        if self._want_prompt_strings and not self._detok_started:   # the first-token output
+            ids = string_ids(self.submit_msg.prompt_token_ids, out.prompt_logprobs)
+            ids.difference_update(item.token_string_ids)
+            item.token_string_ids.extend(sorted(ids))
         if not self._detok_started:
             item.prefix_token_ids.extend(self._prefix)
             if self.submit_msg.trace.traceparent:
@@ -173,7 +183,8 @@ class RequestHandle:
             text += matcher.flush()
         # Positional, in Delta's field order: this runs for every output of every request.
         self._push(Delta(text, list(out.new_token_ids), end.reason, end.stop_reason, end.error,
-                         list(out.logprobs), self.num_cached_tokens, token_strings or {}))
+                         list(out.logprobs), self.num_cached_tokens, token_strings or {},
+                         list(out.prompt_logprobs) if out.prompt_logprobs else []))
 
     def fail(self, error: ApiError) -> None:
         """End the reader's stream with `error` (nothing, if it has ended already)."""

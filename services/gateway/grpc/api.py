@@ -113,6 +113,8 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
                 if index in first_of:
                     first_of.discard(index)
                     resp.prompt_token_ids.extend(prompt_ids)
+                if delta.prompt_logprobs:   # sampling.prompt_logprobs: once, with the first token
+                    resp.prompt_logprobs.extend(delta.prompt_logprobs)
                 if delta.last:
                     one = handle.handles[index]
                     resp.finish_reason = finish.to_proto(delta.finish_reason)

@@ -80,7 +80,8 @@ async def create_completion(request: Request, gw: Gateway, body: bytes,
     prompts = await completion_prompts(gw, req, timer)
     spec = ChoiceSpec(chat=False, logprobs=req.logprobs is not None,
                       return_token_ids=bool(req.return_token_ids),
-                      tokens_as_ids=bool(req.return_tokens_as_token_ids))
+                      tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                      prompt_logprobs=sampling.HasField("prompt_logprobs"))
     return await generate(request, gw, req, new_request_id("cmpl"), prompts, sampling, spec, timer)
 
 
@@ -111,6 +112,7 @@ async def create_chat_completion(request: Request, gw: Gateway, body: bytes,
     spec = ChoiceSpec(chat=True, logprobs=bool(req.logprobs), echo=req.echo_text(),
                       role=req.response_role, return_token_ids=bool(req.return_token_ids),
                       tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                      prompt_logprobs=sampling.HasField("prompt_logprobs"),
                       new_parser=lambda: make_output_parser(cfg.reasoning_parser, tool_parser,
                                                             allowed_tools=plan.allowed_names,
                                                             tools=req.tools))

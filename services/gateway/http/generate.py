@@ -170,6 +170,8 @@ async def generate(request: Request, gw: Gateway, req, request_id: str,
     out = body.envelope(body.whole_object, [b.whole() for b in builders])
     if spec.chat and spec.return_token_ids:   # vLLM: chat's prompt ids are on the response
         out["prompt_token_ids"] = prompts[0].ids
+    if spec.chat:   # vLLM: chat's prompt_logprobs are on the response (null unless asked for)
+        out["prompt_logprobs"] = builders[0].prompt_logprobs()
     out["usage"] = usage(group)
     if timer is not None:
         out["timing"] = timer.breakdown_of_last(handles)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from services.gateway.clients.request_handle import Delta, RequestHandle
 from services.gateway.openai.logprobs import (CompletionLogprobs, chat_content, merge_completion,
                                               token_id_strings)
+from services.gateway.openai.prompt_logprobs import PromptPart, prepend
 from services.gateway.parsers import OutputParser, ToolCallDelta
 
 
@@ -78,6 +79,7 @@ class ChoiceSpec:
     role: str = "assistant"                         # chat: the answer's role (vLLM's rule)
     return_token_ids: bool = False                  # vLLM: prompt_token_ids / token_ids
     tokens_as_ids: bool = False                     # vLLM: logprob tokens as "token_id:<id>"
+    prompt_logprobs: bool = False                   # vLLM: prompt_logprobs (openai/prompt_logprobs.py)
 
 
 def _tool_call_json(tc: ToolCallDelta) -> dict:
@@ -103,6 +105,9 @@ class ChoiceBuilder:
         self.strings: dict[int, str] = {}
         self.lp_parts: list[dict] = []
         self.completion_lp = CompletionLogprobs(len(self.echo))
+        self.prompt_part = PromptPart(self.prompt_ids, spec.tokens_as_ids)
+        # Completions echo with logprobs: the echo waits for the prompt's logprobs (first Delta).
+        self._echo_lps = bool(self.echo) and spec.logprobs and spec.prompt_logprobs and not spec.chat
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.done = False
@@ -125,10 +130,18 @@ class ChoiceBuilder:
                 out.append(({"index": self.index, "delta": {"content": self.echo},
                              "logprobs": None, "finish_reason": None}, {}))
             return out
-        if self.echo:
+        if self.echo and not self._echo_lps:
             return [(self._with_token_ids({"index": self.index, "text": self.echo,
                                            "logprobs": None, "finish_reason": None}, []), {})]
         return []
+
+    def _echo_part(self, delta: Delta) -> dict | None:
+        """Completions echo with logprobs: the prompt's logprobs on the choice's first Delta, and
+        the completion's text offsets continue after the prompt's tokens (vLLM)."""
+        if not (self._echo_lps and self.prompt_part.take(delta)):
+            return None
+        part, self.completion_lp.offset = self.prompt_part.echo()
+        return part
 
     def _with_token_ids(self, choice: dict, token_ids: list[int]) -> dict:
         """A completions chunk's vLLM token fields: prompt_token_ids on the choice's first."""
@@ -149,12 +162,13 @@ class ChoiceBuilder:
         if not self.spec.chat:
             if delta.last:
                 self._finish(delta)
-            if not (delta.text or delta.last or want_lp or want_ids):
+            echo_part = self._echo_part(delta)   # vLLM: the echo goes with the first token
+            if not (delta.text or delta.last or want_lp or want_ids or echo_part):
                 return []
-            choice = {"index": self.index, "text": delta.text,
-                      "logprobs": (self.completion_lp.chunk(delta.logprobs,
-                                                            self._token_strings(delta))
-                                   if want_lp else None),
+            lps = self.completion_lp.chunk(delta.logprobs, self._token_strings(delta)) if want_lp else None
+            choice = {"index": self.index,
+                      "text": delta.text if echo_part is None else self.echo + delta.text,
+                      "logprobs": lps if echo_part is None else prepend(echo_part, lps),
                       "finish_reason": self.finish_reason}
             if delta.last:
                 choice["stop_reason"] = self.stop_reason
@@ -188,8 +202,17 @@ class ChoiceBuilder:
             choices[-1]["stop_reason"] = self.stop_reason
         return choices
 
+    def prompt_logprobs(self) -> list | None:
+        """vLLM's prompt_logprobs of this choice's prompt (None: not asked for)."""
+        return self.prompt_part.vllm() if self.spec.prompt_logprobs else None
+
     # -- whole ----------------------------------------------------------------------------
     def add(self, delta: Delta) -> None:
+        echo_part = self._echo_part(delta)
+        if echo_part is not None:
+            self.lp_parts.append(echo_part)
+        elif self.spec.prompt_logprobs:
+            self.prompt_part.take(delta)
         self.parts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if self.spec.logprobs and delta.logprobs:
@@ -209,7 +232,8 @@ class ChoiceBuilder:
         if not self.spec.chat:
             return {"index": self.index, "text": self.echo + text,
                     "logprobs": merge_completion(self.lp_parts) if self.spec.logprobs else None,
-                    "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, **ids}
+                    "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, **ids,
+                    "prompt_logprobs": self.prompt_logprobs()}
         message: dict = {"role": self.spec.role, "content": text}
         if self.parser is not None:
             parsed = self.parser.parse(text)

@@ -119,6 +119,8 @@ class _SamplingFields(_IgnoredOpenAIFields):
     return_timing: bool = False       # extra body: a `timing` breakdown in the response (timing.py)
     # extra body (vLLM): prompt_token_ids and token_ids in the response and its chunks
     return_token_ids: bool | None = None
+    # extra body (vLLM): each prompt token's logprob and rank with the top N (openai/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None   # extra body (vLLM): logprob tokens as "token_id:<id>"
     # extra body (vLLM): keep k prompt tokens (-1 = the context length); which end is kept
     truncate_prompt_tokens: int | None = None
@@ -156,6 +158,10 @@ class _SamplingFields(_IgnoredOpenAIFields):
     def _logprobs(self) -> int | None:
         """Top logprobs per token for the engine (None: no logprobs)."""
         return None
+
+    def _prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt position for the engine (None: none)."""
+        return self.prompt_logprobs
 
     def _constraints(self) -> list[tuple[str, str, Any]]:
         """Every output constraint the body names: (request field, StructuredOutput kind, value)."""
@@ -208,6 +214,8 @@ class _SamplingFields(_IgnoredOpenAIFields):
         if self.stream_options is not None and not self.stream:
             # OpenAI and vLLM answer 400 too: the options only shape a stream.
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs and self.stream:   # vLLM's rule: a stream never carries them
+            raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.truncate_prompt_tokens is not None:
             check_int32("truncate_prompt_tokens", self.truncate_prompt_tokens)
 
@@ -242,6 +250,9 @@ class _SamplingFields(_IgnoredOpenAIFields):
             sp.structured.CopyFrom(_structured_output(kind, value))
         if self._logprobs() is not None:
             sp.logprobs = self._logprobs()
+        if self._prompt_logprobs() is not None:
+            check_int32("prompt_logprobs", self._prompt_logprobs())
+            sp.prompt_logprobs = self._prompt_logprobs()
         for tid in self.stop_token_ids or []:
             check_int32("stop_token_ids", tid)
             sp.stop_token_ids.append(tid)
@@ -313,15 +324,18 @@ class CompletionRequest(_SamplingFields):
         super().check_unsupported()
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo together with logprobs (prompt logprobs) is not supported yet; "
-                          "use one or the other", "echo")
         choices = len(self.prompts) * self.num_choices
         if len(self.prompts) > 1 and choices > MAX_BATCH_CHOICES:
             raise invalid(f"prompts x n must be at most {MAX_BATCH_CHOICES}, got {choices}", "n")
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        """vLLM: echo with logprobs scores the echoed prompt too (prompt_logprobs = logprobs)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ContentPart(BaseModel):
