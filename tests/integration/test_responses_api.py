@@ -81,6 +81,8 @@ def test_previous_response_id_continues_the_conversation(client, mesh):
     alone = client.responses.create(model=mesh.model_name, input="What is my name?",
                                     max_output_tokens=8, temperature=0, store=False)
     assert second.previous_response_id == first.id
+    page = client.responses.input_items.list(second.id, order="asc")
+    assert [i.content[0].text for i in page.data] == ["What is my name?"]   # its own input
     # The second prompt holds the first turn and its answer (not the first's instructions).
     grown = second.usage.input_tokens - alone.usage.input_tokens
     assert grown >= first.usage.output_tokens + 3
@@ -108,6 +110,8 @@ def test_retrieve_returns_the_stored_response_and_delete_removes_it(client, mesh
     assert got.usage.output_tokens == r.usage.output_tokens
     with pytest.raises(openai.BadRequestError):   # it is over: nothing to cancel
         client.responses.cancel(r.id)
+    [item] = client.responses.input_items.list(r.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", "Count to three.")
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)

@@ -7,7 +7,8 @@ import pytest
 from services.gateway.errors import ApiError
 from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.responses_protocol import (ResponsesRequest, chat_param,
-                                                        input_messages, to_chat_request)
+                                                        input_items_of, input_messages,
+                                                        to_chat_request)
 
 TOOL = {"type": "function", "name": "get_weather", "description": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -135,3 +136,18 @@ def test_a_background_response_must_be_stored_and_not_streamed(extra):
 def test_a_value_the_chat_request_refuses_is_a_400_naming_it():
     err = error_of(to_chat_request, parse(input="x", seed=2 ** 64), [])
     assert err["param"] == "seed"
+
+
+def test_input_items_are_listed_with_ids_and_text_parts():
+    counter = iter(range(100))
+    req = parse(input=[{"role": "user", "content": "hi"},
+                       {"type": "message", "role": "assistant", "id": "msg_given", "content": "yo"},
+                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                       {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
+    items = input_items_of(req.input, lambda prefix: f"{prefix}_{next(counter)}")
+    assert [i["id"] for i in items] == ["msg_0", "msg_given", "fc_1", "fco_2"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert items[1]["content"] == [{"type": "output_text", "text": "yo"}]
+    assert all(i["status"] == "completed" for i in items)
+    [only] = input_items_of("plain", lambda prefix: prefix + "_x")
+    assert (only["role"], only["content"][0]["text"]) == ("user", "plain")

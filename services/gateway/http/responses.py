@@ -32,8 +32,8 @@ from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.responses_events import (ResponseBuilder, history_of, new_item_id,
                                                       parse_in_order, usage_of)
 from services.gateway.openai.responses_protocol import (ResponsesFunctionChoice, ResponsesRequest,
-                                                        chat_param, input_messages,
-                                                        to_chat_request)
+                                                        chat_param, input_items_of,
+                                                        input_messages, to_chat_request)
 from services.gateway.openai.responses_store import ResponseStore
 from services.gateway.parsers import make_output_parser
 from services.gateway.service import Gateway
@@ -66,15 +66,17 @@ class _Run:
     end writes to the store."""
 
     def __init__(self, runs: "_Runs", owner: str, group: ChoiceGroup, builder: ResponseBuilder,
-                 parser, conversation: list[dict[str, Any]], stores: bool) -> None:
+                 parser, conversation: list[dict[str, Any]], stores: bool,
+                 input_items: list[dict[str, Any]]) -> None:
         self.runs, self.owner, self.group, self.builder = runs, owner, group, builder
         self.parser, self.conversation, self.stores = parser, conversation, stores
+        self.input_items = input_items
         self.cancelled = False
         self.done = asyncio.Event()
         self.id = builder.response["id"]
         runs.active[(owner, self.id)] = self
         if stores:
-            runs.store.put(owner, self.id, builder.response | {"output": []}, None)
+            runs.store.put(owner, self.id, builder.response | {"output": []}, None, input_items)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -134,7 +136,8 @@ class _Run:
         events = self.builder.finish(status, usage, error=error, completed_at=int(time.time()))
         if self.stores:
             history = self.conversation + history_of(self.builder.output)
-            self.runs.store.put(self.owner, self.id, self.builder.response, history)
+            self.runs.store.put(self.owner, self.id, self.builder.response, history,
+                                self.input_items)
         self.close()
         return events
 
@@ -237,7 +240,7 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
                                     allowed_tools=plan.allowed_names)
         builder = ResponseBuilder(_echo(req, response_id, req.model or gw.model_name))
         run = _Run(runs, owner, group, builder, parser, history + input_messages(req.input),
-                   req.stores)
+                   req.stores, input_items_of(req.input, new_item_id) if req.stores else [])
         if req.background:
             task = asyncio.create_task(run.run_in_background())
             runs.tasks.add(task)
@@ -275,6 +278,31 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
                 raise invalid(f"the query parameter {name} is not supported (responses are "
                               "not streamed again)", name)
         return JSONResponse(runs.stored(runs.owner(request), response_id).body)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> Response:
+        q = request.query_params
+        if q.get("include"):
+            raise invalid("include is not supported", "include")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order must be 'asc' or 'desc'", "order")
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise invalid("limit must be an integer from 1 to 100", "limit")
+        items = runs.stored(runs.owner(request), response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        after = q.get("after")
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise invalid(f"no input item {after!r} in response {response_id!r}", "after")
+            items = items[at + 1:]
+        page = items[:int(limit)]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": len(items) > len(page)})
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:

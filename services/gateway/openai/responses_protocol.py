@@ -354,6 +354,28 @@ def input_messages(items: str | list) -> list[dict[str, Any]]:
     return messages
 
 
+def input_items_of(items: str | list, new_id) -> list[dict[str, Any]]:
+    """The `input` as GET /v1/responses/{id}/input_items lists it: every item with an id (given,
+    or `new_id(prefix)`), text content as parts."""
+    if isinstance(items, str):
+        items = [ResponsesMessage(role="user", content=items)]
+    out: list[dict[str, Any]] = []
+    for item in items:
+        listed = item.model_dump(by_alias=True, exclude_none=True)
+        if isinstance(item, ResponsesMessage):
+            if isinstance(item.content, str):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                listed["content"] = [{"type": kind, "text": item.content}]
+            prefix = "msg"
+        else:
+            prefix = {"function_call": "fc", "function_call_output": "fco"}.get(item.type, "rs")
+        if "id" not in listed:
+            listed["id"] = new_id(prefix)
+        listed.setdefault("status", "completed")
+        out.append(listed)
+    return out
+
+
 def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request that serves `req`: [instructions] + `history` (the conversation of its
     previous_response_id, without that one's instructions) + its input."""

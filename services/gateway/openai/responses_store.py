@@ -13,7 +13,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -25,6 +25,7 @@ class StoredResponse:
     history: list[dict[str, Any]] | None
     size: int
     expires_at: float
+    input_items: list[dict[str, Any]] = field(default_factory=list)   # GET .../input_items
 
 
 class ResponseStore:
@@ -41,15 +42,17 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, owner: str, response_id: str, body: dict[str, Any],
-            history: list[dict[str, Any]] | None) -> bool:
+            history: list[dict[str, Any]] | None,
+            input_items: list[dict[str, Any]] | None = None) -> bool:
         """Keep (or replace) one response; False when it is not kept (store disabled, or the
         entry alone is over the byte bound)."""
         self.delete(owner, response_id)
-        size = len(json.dumps(body)) + (len(json.dumps(history)) if history else 0)
+        size = len(json.dumps(body)) + (len(json.dumps(history)) if history else 0) + \
+            (len(json.dumps(input_items)) if input_items else 0)
         if self.max_entries == 0 or size > self.max_bytes:
             return False
-        self._entries[(owner, response_id)] = StoredResponse(body, history, size,
-                                                             self.clock() + self.ttl_s)
+        self._entries[(owner, response_id)] = StoredResponse(
+            body, history, size, self.clock() + self.ttl_s, input_items or [])
         self.bytes += size
         self._evict()
         return True
