@@ -14,7 +14,7 @@
 # ENVOY_UID, Prometheus as PROMETHEUS_UID).
 set -eu
 OUT=${MESHLLM_CERTS_OUT:-/out}
-IDENTITIES=${MESHLLM_IDENTITIES:-"gateway tokenizer scheduler worker embedder supervisor profiler prometheus"}
+IDENTITIES=${MESHLLM_IDENTITIES:-"gateway tokenizer scheduler worker embedder supervisor profiler kvstore prometheus"}
 ENVOY_UID=${ENVOY_UID:-10001}
 PROMETHEUS_UID=${PROMETHEUS_UID:-65534}
 

@@ -10,7 +10,7 @@ NS=${1:-meshllm}
 ENGINES=${MESHLLM_ENGINES:-4}   # engine-0.engine ... engine-(N-1).engine
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-IDENTITIES="gateway tokenizer scheduler worker embedder supervisor profiler"
+IDENTITIES="gateway tokenizer scheduler worker embedder supervisor profiler kvstore"
 sans=()
 for id in $IDENTITIES; do
   sans+=(--san "$id.$NS" --san "$id.$NS.svc" --san "$id.$NS.svc.cluster.local")

@@ -84,6 +84,8 @@ def outbound(module: str, cfg) -> list[tuple[str, str]]:
                                     (cfg.supervisor_addr, "supervisor")) if a]
     elif module == "scheduler":
         out.append((cfg.worker_addr, "worker-zmq"))
+    if module in ("scheduler", "worker") and cfg.kvstore_addr:
+        out.append((cfg.kvstore_addr, "kvstore"))
     elif module == "profiler":
         out += [(addr, "worker") for _, addr in cfg.workers]
         out += [(addr, re.sub(r"(-\d+)+$", "", name)) for name, addr in cfg.services]
@@ -360,7 +362,7 @@ def test_k8s_and_compose_run_the_same_services_with_the_same_flags(k8s, compose,
     """Beyond addresses and devices, a service is configured alike in both."""
     _, containers = k8s
     ignore = re.compile(r"^--(host|tokenizer-addr|engine-addr|embedder-addr|profiler-addr|worker|service|"
-                        r"gateway-addr|spec|device|kv-cache-memory-gb|engine-id|metrics-port)=")
+                        r"gateway-addr|spec|device|kv-cache-memory-gb|engine-id|metrics-port|kvstore-addr)=")
     compose_flags = {}
     for name, svc in compose["services"].items():
         if name in compose_apps:

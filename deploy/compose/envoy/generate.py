@@ -45,7 +45,7 @@ PUBLIC_TLS_DIR = "/etc/meshllm/public-tls"  # tls.crt / tls.key of the public li
 
 # Each service's own listening ports inside its namespace (its flags in docker-compose.yml).
 APP_PORTS = {"gateway": 50051, "tokenizer": 50052, "scheduler": 50053, "worker": 50054,
-             "embedder": 50055, "supervisor": 50060, "profiler": 50061}
+             "embedder": 50055, "supervisor": 50060, "profiler": 50061, "kvstore": 50070}
 GATEWAY_HTTP_PORT = 8000
 WORKER_ZMQ_PORT = 50056
 # Compose hosts (network aliases of the sidecars) behind each identity.
@@ -129,14 +129,17 @@ SIDECARS = (
             egress=(egress_to("tokenizer"), egress_to("scheduler"), egress_to("embedder"), egress_to("profiler"),
                     SUPERVISED_ENGINE)),
     Sidecar("tokenizer", peers=("gateway", "prometheus", "profiler")),
-    Sidecar("scheduler", peers=("gateway", "prometheus", "profiler"), zmq_to_worker=True),
-    Sidecar("worker", peers=("prometheus", "profiler"), zmq_from=("scheduler",)),
+    Sidecar("scheduler", peers=("gateway", "prometheus", "profiler"), zmq_to_worker=True,
+            egress=(egress_to("kvstore"),)),
+    Sidecar("worker", peers=("prometheus", "profiler"), zmq_from=("scheduler",), egress=(egress_to("kvstore"),)),
     Sidecar("embedder", peers=("gateway", "prometheus", "profiler")),
-    Sidecar("supervisor", peers=("gateway", "prometheus", "profiler"),
+    Sidecar("supervisor", peers=("gateway", "prometheus", "profiler"), egress=(egress_to("kvstore"),),
             local_hosts=(("engine-1", SUPERVISED_ENGINE_PORT),), extra_metrics=SUPERVISED_METRICS),
     Sidecar("profiler", peers=("gateway", "prometheus"),
             egress=(*egress_each("gateway"), *egress_each("tokenizer"), *egress_each("scheduler"),
                     *egress_each("worker"), *egress_each("embedder"))),
+    # The secondary KV tier (docs/kvstore.md): the engines' processes are its only callers.
+    Sidecar("kvstore", peers=("scheduler", "worker", "supervisor", "prometheus")),
 )
 
 
@@ -466,7 +469,7 @@ def render_all() -> dict[str, str]:
 
 
 # Services that serve /metrics (the others would only show as down targets).
-SCRAPED = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "supervisor", "profiler")
+SCRAPED = ("gateway", "tokenizer", "scheduler", "worker", "embedder", "supervisor", "profiler", "kvstore")
 PROMETHEUS_PATH = HERE.parent / "prometheus.yml"
 
 
