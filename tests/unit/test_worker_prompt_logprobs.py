@@ -4,14 +4,19 @@ prefill chunking, position 0 has none, ranks and top-k are right, logits never e
 a slice of rows at once."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from services.common import pb
+# The GPU executor's Triton path runs on the CPU under the interpreter (as in test_worker_kernels);
+# set before any kernel module is imported (decorated).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from services.worker import prompt_logprobs
 from services.worker.models import load_model
 from services.worker.runner import ModelRunner
-from services.worker.wire import ProtoRunner
+from tests.prompt_logprobs_driver import run_chunked
 from tests.unit.tiny_llama import VOCAB, hf_model, make_tiny_llama
 
 BLOCK = 4
@@ -32,43 +37,6 @@ def reference(hf, prompt: list[int]) -> torch.Tensor:
     """log_softmax over one full forward of the whole prompt: [L, V]; row j predicts token j+1."""
     with torch.no_grad():
         return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-
-
-def run_chunked(runner: ModelRunner, prompts: dict[str, list[int]], chunk: int,
-                k: int | None) -> tuple[dict[str, list], dict[str, int]]:
-    """Every prompt prefilled `chunk` tokens per step (all of them in each step) -> the prompt
-    logprobs each got (in arrival order) and its first sampled token."""
-    wire = ProtoRunner(runner)
-    blocks = iter(range(NUM_BLOCKS))
-    tables = {rid: [next(blocks) for _ in range(-(-len(p) // BLOCK))] for rid, p in prompts.items()}
-    done = dict.fromkeys(prompts, 0)
-    got: dict[str, list] = {rid: [] for rid in prompts}
-    first: dict[str, int] = {}
-    step = 0
-    while any(done[r] < len(p) for r, p in prompts.items()):
-        plan = pb.step.StepPlan(step_id=step)
-        for rid, p in prompts.items():
-            n = min(chunk, len(p) - done[rid])
-            if n <= 0:
-                continue
-            if done[rid] == 0:
-                sp = pb.common.SamplingParams(max_tokens=1)
-                if k is not None:
-                    sp.prompt_logprobs = k
-                plan.new_requests.add(request_id=rid, token_ids=p, block_ids=tables[rid], sampling=sp,
-                                      num_computed_tokens=0, num_scheduled_tokens=n)
-            else:
-                plan.cached_requests.add(request_id=rid, num_computed_tokens=done[rid], num_scheduled_tokens=n)
-            done[rid] += n
-        result = wire.execute(plan)
-        assert not result.HasField("error"), result.error.message
-        for out in result.outputs:
-            got[out.request_id].extend(out.prompt_logprobs)
-            if out.token_ids:
-                first[out.request_id] = out.token_ids[0]
-        step += 1
-    wire.execute(pb.step.StepPlan(step_id=step, finished_ids=list(prompts)))
-    return got, first
 
 
 def check_against(ref: torch.Tensor, prompt: list[int], lps: list, k: int, atol: float = 1e-4) -> None:
@@ -177,3 +145,29 @@ def test_smollm2_prompt_logprobs_match_one_full_forward_with_chunked_prefill(smo
         "The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain").ids
     got, _ = run_chunked(runner, {"s": p}, 7, k=5)
     check_against(full_forward_logprobs(model, p), p, got["s"], k=5, atol=1e-3)
+
+
+def test_the_gpu_executor_path_gives_the_reference_prompt_logprobs(tiny_model):
+    """GpuExecutor (persistent buffers + Triton forward, eager prefill) keeps the step's hidden
+    rows for the prompt logprobs: the same values as the torch reference path, chunk by chunk."""
+    pytest.importorskip("triton")
+    from services.worker.gpu_exec import GpuExecutor
+
+    g = torch.Generator().manual_seed(9)
+    prompts = {"a": torch.randint(4, VOCAB, (13,), generator=g).tolist(),
+               "b": torch.randint(4, VOCAB, (6,), generator=g).tolist()}
+    got = []
+    for kernels in (False, True):
+        runner = ModelRunner(tiny_model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=NUM_BLOCKS,
+                             block_size=BLOCK)
+        runner.hello(BLOCK)
+        if kernels:
+            runner.gpu = GpuExecutor(tiny_model, runner.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=4,
+                                     graph_sizes=None)
+        got.append(run_chunked(runner, prompts, 4, k=2))
+    (ref, ref_first), (kern, kern_first) = got
+    assert kern_first == ref_first
+    for rid in prompts:
+        assert [(lp.position, lp.token_id, lp.rank, [t.token_id for t in lp.top]) for lp in kern[rid]] == \
+            [(lp.position, lp.token_id, lp.rank, [t.token_id for t in lp.top]) for lp in ref[rid]]
+        assert [lp.logprob for lp in kern[rid]] == pytest.approx([lp.logprob for lp in ref[rid]], abs=1e-4)
