@@ -180,6 +180,10 @@ def test_a_background_response_runs_without_the_client_and_is_polled(client, mes
 def test_cancel_stops_a_background_response_and_a_second_cancel_changes_nothing(client, mesh):
     r = client.responses.create(model=mesh.model_name, input=LONG, max_output_tokens=400,
                                 temperature=0, background=True)
+    deadline = time.monotonic() + 30
+    while not (running := client.responses.retrieve(r.id)).output_text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running.status == "in_progress" and running.output_text   # the output so far
     cancelled = client.responses.cancel(r.id)
     assert cancelled.id == r.id and cancelled.status == "cancelled"
     got = client.responses.retrieve(r.id)

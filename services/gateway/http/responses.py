@@ -277,7 +277,13 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
             if value not in (None, "", "false"):
                 raise invalid(f"the query parameter {name} is not supported (responses are "
                               "not streamed again)", name)
-        return JSONResponse(runs.stored(runs.owner(request), response_id).body)
+        owner = runs.owner(request)
+        stored = runs.stored(owner, response_id)
+        run = runs.active.get((owner, response_id))
+        if run is not None and run.stores and not run.done.is_set():
+            # Running: the output so far (the store receives it when the response ends).
+            return JSONResponse(run.builder.response | {"output": list(run.builder.output)})
+        return JSONResponse(stored.body)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, request: Request) -> Response:
