@@ -191,12 +191,25 @@ def test_cancel_stops_a_background_response_and_a_second_cancel_changes_nothing(
     assert client.responses.cancel(r.id).status == "cancelled"   # over: returned unchanged
 
 
+def test_logprobs_come_with_the_text_whole_and_streamed(client, mesh):
+    args = dict(model=mesh.model_name, input=LONG, max_output_tokens=5, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2, store=False)
+    part = client.responses.create(**args).output[0].content[0]
+    assert len(part.logprobs) == 5 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(lp.logprob <= 0 and lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+               for lp in part.logprobs)
+    events = list(client.responses.create(stream=True, **args))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+
+
 def test_unsupported_fields_are_a_400_naming_them(client, mesh):
     for kwargs, param in (({"tools": [{"type": "web_search"}]}, "tools"),
                           ({"background": True, "store": False}, "background"),
                           ({"input": [{"role": "user", "content": [
                               {"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input"),
-                          ({"include": ["message.output_text.logprobs"]}, "include")):
+                          ({"include": ["reasoning.encrypted_content"]}, "include")):
         body = {"model": mesh.model_name, "input": "Hi", "max_output_tokens": 2, **kwargs}
         with pytest.raises(openai.BadRequestError) as exc:
             client.responses.create(**body)

@@ -148,3 +148,16 @@ def test_the_open_call_takes_its_arguments_before_text_of_the_same_piece():
     b.feed(ParsedDelta(content="after", tool_calls=[ToolCallDelta(0, arguments="1}")]))
     assert [(i["type"], i.get("arguments")) for i in b.output] == [
         ("function_call", '{"x": 1}'), ("message", None)]
+
+
+def test_a_steps_logprobs_go_to_its_text_delta_and_the_message():
+    b = ResponseBuilder(dict(BASE), new_id=ids())
+    b.start()
+    lp = [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": []}]
+    events = b.feed(ParsedDelta(content="Hi"))
+    b.add_logprobs(lp, events)
+    assert [e for e in events if e["type"] == "response.output_text.delta"][0]["logprobs"] == lp
+    b.add_logprobs(lp, b.feed(ParsedDelta(tool_calls=[ToolCallDelta(0, id="c", name="f")])))
+    done = [e for e in b.finish("completed") if e["type"] == "response.output_text.done"]
+    assert b.output[0]["content"][0]["logprobs"] == lp   # the call's tokens have none
+    assert not done   # the message was closed by the call

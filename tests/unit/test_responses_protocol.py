@@ -92,7 +92,7 @@ def test_reasoning_effort_reaches_the_template_as_reasoning_effort():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("background", True), ("include", ["reasoning.encrypted_content"]), ("top_logprobs", 2),
+    ("background", True), ("include", ["reasoning.encrypted_content"]),
     ("truncation", "auto"), ("max_tool_calls", 3), ("text", {"verbosity": "low"}),
     ("reasoning", {"summary": "auto"}), ("stream_options", {"include_obfuscation": True}),
 ])
@@ -151,3 +151,10 @@ def test_input_items_are_listed_with_ids_and_text_parts():
     assert all(i["status"] == "completed" for i in items)
     [only] = input_items_of("plain", lambda prefix: prefix + "_x")
     assert (only["role"], only["content"][0]["text"]) == ("user", "plain")
+
+
+def test_logprobs_come_on_by_include_or_top_logprobs():
+    sp = to_chat_request(parse(input="x", include=["message.output_text.logprobs"]), []).to_sampling()
+    assert sp.HasField("logprobs") and sp.logprobs == 0
+    assert to_chat_request(parse(input="x", top_logprobs=3), []).to_sampling().logprobs == 3
+    assert not to_chat_request(parse(input="x", top_logprobs=0), []).to_sampling().HasField("logprobs")

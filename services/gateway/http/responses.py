@@ -28,6 +28,7 @@ from services.gateway.http.completions import enforce_tool_calls
 from services.gateway.http.sse import SSEResponse, coalesce
 from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceGroup
+from services.gateway.openai.logprobs import chat_content
 from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.responses_events import (ResponseBuilder, history_of, new_item_id,
                                                       parse_in_order, usage_of)
@@ -57,7 +58,7 @@ def _echo(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]
         "tool_choice": (choice.model_dump() if isinstance(choice, ResponsesFunctionChoice)
                         else choice or "auto"),
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-        "truncation": "disabled", "user": req.user,
+        "truncation": "disabled", "user": req.user, "top_logprobs": req.top_logprobs,
     }
 
 
@@ -71,6 +72,7 @@ class _Run:
         self.runs, self.owner, self.group, self.builder = runs, owner, group, builder
         self.parser, self.conversation, self.stores = parser, conversation, stores
         self.input_items = input_items
+        self.logprobs = False   # token logprobs on output_text (set by the route)
         self.cancelled = False
         self.done = asyncio.Event()
         self.id = builder.response["id"]
@@ -120,6 +122,9 @@ class _Run:
                     return
                 events = [e for piece in parse_in_order(self.parser, delta.text, delta.last)
                           for e in self.builder.feed(piece)]
+                if self.logprobs and delta.logprobs:
+                    self.builder.add_logprobs(chat_content(delta.logprobs, delta.token_strings),
+                                              events)
                 if delta.last:
                     status = "incomplete" if delta.finish_reason == "length" else "completed"
                     yield events + self.finish(status, await self._usage())
@@ -241,6 +246,7 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         builder = ResponseBuilder(_echo(req, response_id, req.model or gw.model_name))
         run = _Run(runs, owner, group, builder, parser, history + input_messages(req.input),
                    req.stores, input_items_of(req.input, new_item_id) if req.stores else [])
+        run.logprobs = req.wants_logprobs
         if req.background:
             task = asyncio.create_task(run.run_in_background())
             runs.tasks.add(task)

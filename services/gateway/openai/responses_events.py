@@ -107,6 +107,19 @@ class ResponseBuilder:
         return [self._event("response.function_call_arguments.delta", item_id=item["id"],
                             output_index=len(self.output) - 1, delta=text)]
 
+    def add_logprobs(self, entries: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+        """One engine step's token logprobs (openai/logprobs.chat_content entries), `events` the
+        ones that step made: they go to the message open now, and to its last text delta among
+        `events`. Tokens that made reasoning or tool calls (no message open) have none."""
+        item = self._open
+        if not entries or item is None or item["type"] != "message":
+            return
+        item["content"][0]["logprobs"].extend(entries)
+        for event in reversed(events):
+            if event["type"] == "response.output_text.delta" and event["item_id"] == item["id"]:
+                event["logprobs"] = entries
+                return
+
     def finish(self, status: str, usage: dict[str, Any] | None = None, *,
                error: dict[str, Any] | None = None, completed_at: int | None = None,
                incomplete_reason: str = "max_output_tokens") -> list[dict[str, Any]]:
@@ -180,7 +193,7 @@ class ResponseBuilder:
             part = item["content"][0]
             if item["type"] == "message":
                 events.append(self._event("response.output_text.done", content_index=0,
-                                          text=part["text"], logprobs=[], **where))
+                                          text=part["text"], logprobs=part["logprobs"], **where))
             else:
                 events.append(self._event("response.reasoning_text.done", content_index=0,
                                           text=part["text"], **where))

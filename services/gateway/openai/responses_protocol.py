@@ -10,7 +10,7 @@ go through the chat path's own validation (openai/protocol.py, chat_tools.py, to
 rather than a copy of it; `chat_param` names the Responses field in the errors it raises.
 
 What the Responses API has and this server does not do is refused with a 400 that names the
-field (built-in tools, non-text inputs, include, logprobs, truncation "auto", ...);
+field (built-in tools, non-text inputs, other `include` values, truncation "auto", ...);
 docs/api_responses.md lists every field with its status."""
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ MAX_METADATA_KEYS = 16          # OpenAI's bounds on `metadata`
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 MAX_INPUT_ITEMS = 2048
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 _STRICT = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -219,8 +220,8 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None     # run without the client: poll, cancel (needs store)
     # Refused unless absent or at their "off" value (a 400 naming the field, check_unsupported).
     include: list[str] | None = Field(None, json_schema_extra={"anyOf": [
-        {"type": "array", "maxItems": 0}, {"type": "null"}]})
-    top_logprobs: int | None = Field(None, json_schema_extra=_only(0))
+        {"type": "array", "items": {"enum": [LOGPROBS_INCLUDE]}}, {"type": "null"}]})
+    top_logprobs: int | None = None    # alternatives per token (logprobs on, as with include)
     truncation: Literal["auto", "disabled"] | None = Field(None, json_schema_extra=_only("disabled"))
     max_tool_calls: int | None = Field(None, json_schema_extra=_only())
     # OpenAI account fields that change nothing on this server (as on the chat route).
@@ -293,10 +294,9 @@ class ResponsesRequest(BaseModel):
              "response must be stored: it is read with GET /v1/responses/{id}; omit store"),
             ("background", bool(self.background and self.stream), "a background response "
              "cannot be streamed here (no resumable event stream): poll GET /v1/responses/{id}"),
-            ("include", bool(self.include), "include is not supported (no encrypted reasoning, "
-             "logprobs or tool sources are returned)"),
-            ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported on "
-             "/v1/responses yet: use /v1/chat/completions"),
+            ("include", any(v != LOGPROBS_INCLUDE for v in self.include or ()), "include "
+             f"takes only {LOGPROBS_INCLUDE!r} here (no encrypted reasoning, images or tool "
+             "sources are returned)"),
             ("truncation", self.truncation == "auto", "truncation 'auto' is not supported: an "
              "input over the context is refused, not truncated"),
             ("max_tool_calls", self.max_tool_calls is not None, "max_tool_calls applies to "
@@ -320,6 +320,11 @@ class ResponsesRequest(BaseModel):
     @property
     def stores(self) -> bool:
         return self.store is not False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Token logprobs on output_text: asked for by include, or by top_logprobs > 0."""
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
     @property
     def format_param(self) -> dict[str, Any]:
@@ -397,6 +402,8 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
         body["tool_choice"] = req.tool_choice
     if req.text is not None and req.text.format is not None:
         body["response_format"] = req.text.format.to_chat()
+    if req.wants_logprobs:
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     if req.reasoning is not None and req.reasoning.effort is not None:
         # Templates that read it (gpt-oss, Qwen3 style) get it as `reasoning_effort`.
         body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
