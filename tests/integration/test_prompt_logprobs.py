@@ -163,3 +163,25 @@ def test_grpc_generate_returns_prompt_logprobs_on_the_first_response(client, mes
                 model=mesh.model_name, text=PROMPT,
                 sampling=pb.common.SamplingParams(max_tokens=1, prompt_logprobs=50)), timeout=60))
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in exc.value.details()
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, mesh):
+    """The scoring call of OpenAI's legacy API (and vLLM): the prompt back with its logprobs, no
+    completion text."""
+    ids = tokenize(mesh, prompt=PROMPT)
+    full = client.completions.create(model=mesh.model_name, prompt=PROMPT, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=1).choices[0].logprobs
+    r = client.completions.create(model=mesh.model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.tokens == full.tokens[:len(ids)]
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(full.token_logprobs[1:len(ids)], abs=1e-3)
+    stream = [ch.choices[0] for ch in client.completions.create(
+        model=mesh.model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True) if ch.choices]
+    assert "".join(ch.text for ch in stream) == PROMPT
+    assert [t for ch in stream if ch.logprobs for t in ch.logprobs.tokens] == c.logprobs.tokens
+    bare = client.completions.create(model=mesh.model_name, prompt=PROMPT, max_tokens=0, echo=True)
+    assert bare.choices[0].text == PROMPT and bare.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):   # without echo, max_tokens 0 stays a 400
+        client.completions.create(model=mesh.model_name, prompt=PROMPT, max_tokens=0)

@@ -81,7 +81,7 @@ async def create_completion(request: Request, gw: Gateway, body: bytes,
     spec = ChoiceSpec(chat=False, logprobs=req.logprobs is not None,
                       return_token_ids=bool(req.return_token_ids),
                       tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                      prompt_logprobs=sampling.HasField("prompt_logprobs"))
+                      prompt_logprobs=sampling.HasField("prompt_logprobs"), echo_only=req.echo_only)
     return await generate(request, gw, req, new_request_id("cmpl"), prompts, sampling, spec, timer)
 
 

@@ -80,6 +80,7 @@ class ChoiceSpec:
     return_token_ids: bool = False                  # vLLM: prompt_token_ids / token_ids
     tokens_as_ids: bool = False                     # vLLM: logprob tokens as "token_id:<id>"
     prompt_logprobs: bool = False                   # vLLM: prompt_logprobs (openai/prompt_logprobs.py)
+    echo_only: bool = False                         # completions echo with max_tokens 0: the prompt alone
 
 
 def _tool_call_json(tc: ToolCallDelta) -> dict:
@@ -155,8 +156,17 @@ class ChoiceBuilder:
     def _token_strings(self, delta: Delta) -> dict[int, str]:
         return token_id_strings(delta.logprobs) if self.spec.tokens_as_ids else delta.token_strings
 
+    def _visible(self, delta: Delta) -> Delta:
+        """echo_only: the engine's one token is not part of the answer (its end and the prompt's
+        logprobs are)."""
+        if not self.spec.echo_only:
+            return delta
+        return Delta("", [], delta.finish_reason, delta.stop_reason, delta.error, [], delta.num_cached_tokens,
+                     delta.token_strings, delta.prompt_logprobs)
+
     def stream(self, delta: Delta) -> list[dict]:
         """The choice objects (one per chunk) for one Delta."""
+        delta = self._visible(delta)
         want_lp = self.spec.logprobs and bool(delta.logprobs)
         want_ids = self.spec.return_token_ids and bool(delta.token_ids)
         if not self.spec.chat:
@@ -208,6 +218,7 @@ class ChoiceBuilder:
 
     # -- whole ----------------------------------------------------------------------------
     def add(self, delta: Delta) -> None:
+        delta = self._visible(delta)
         echo_part = self._echo_part(delta)
         if echo_part is not None:
             self.lp_parts.append(echo_part)

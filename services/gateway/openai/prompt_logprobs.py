@@ -92,9 +92,9 @@ class PromptPart:
         self.received = False
 
     def take(self, delta) -> bool:
-        """Keep the prompt logprobs of the choice's first Delta with a token (a one-token prompt
-        has none); True for that Delta."""
-        if self.received or not (delta.prompt_logprobs or delta.token_ids):
+        """Keep the prompt logprobs of the choice's first Delta (the engine's first-token output
+        carries them; a one-token prompt has none); True for that Delta."""
+        if self.received or delta.error is not None:
             return False
         self.lps, self.received = list(delta.prompt_logprobs), True
         ids = string_ids(self.prompt_ids, self.lps)

@@ -331,6 +331,15 @@ class CompletionRequest(_SamplingFields):
     def _logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """The scoring call (OpenAI's legacy API, vLLM): echo with max_tokens 0 answers the prompt
+        alone; the engine runs one token, which the choice drops (choices.py)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _effective_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
     def _prompt_logprobs(self) -> int | None:
         """vLLM: echo with logprobs scores the echoed prompt too (prompt_logprobs = logprobs)."""
         if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
