@@ -52,6 +52,15 @@ def test_messages_input_with_instructions_reaches_the_prompt(client, mesh):
     assert told.usage.input_tokens > short.usage.input_tokens + 20
 
 
+def test_input_tokens_counts_the_prompt_a_response_would_have(client, mesh):
+    args = dict(model=mesh.model_name, instructions="Be brief.",
+                input=[{"role": "user", "content": "Name a colour."}])
+    counted = client.responses.input_tokens.count(**args)
+    r = client.responses.create(**args, max_output_tokens=1, store=False)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == r.usage.input_tokens > 0
+
+
 def test_max_output_tokens_makes_an_incomplete_response(client, mesh):
     r = client.responses.create(model=mesh.model_name, input=LONG, max_output_tokens=3,
                                 temperature=0)

@@ -20,7 +20,7 @@ from services.gateway.http.invocations import InvocationRequest
 from services.gateway.http.tokenize import DetokenizeRequest, TokenizeRequest
 from services.gateway.openai.protocol import (MAX_BATCH_PROMPTS, ChatCompletionRequest,
                                               CompletionRequest)
-from services.gateway.openai.responses_protocol import ResponsesRequest
+from services.gateway.openai.responses_protocol import ResponsesInputTokensRequest, ResponsesRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
@@ -28,6 +28,7 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/messages": MessagesRequest,                      # Anthropic (docs/api_anthropic.md)
     "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/responses/input_tokens": ResponsesInputTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,

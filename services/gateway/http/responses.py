@@ -32,7 +32,8 @@ from services.gateway.openai.logprobs import chat_content
 from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.responses_events import (ResponseBuilder, history_of, new_item_id,
                                                       parse_in_order, usage_of)
-from services.gateway.openai.responses_protocol import (ResponsesFunctionChoice, ResponsesRequest,
+from services.gateway.openai.responses_protocol import (ResponsesInputTokensRequest,
+                                                        ResponsesFunctionChoice, ResponsesRequest,
                                                         chat_param, input_items_of,
                                                         input_messages, to_chat_request)
 from services.gateway.openai.responses_store import ResponseStore
@@ -192,6 +193,16 @@ class _Runs:
     def owner(self, request: Request) -> str:
         return self.keys.principal(request.headers.get("authorization"))[0]
 
+    def history(self, owner: str, previous_response_id: str | None) -> list[dict[str, Any]]:
+        """The conversation a previous_response_id continues ([] without one)."""
+        if previous_response_id is None:
+            return []
+        previous = self.stored(owner, previous_response_id, "previous_response_id")
+        if previous.history is None:
+            raise invalid(f"response {previous_response_id!r} is still in progress",
+                          "previous_response_id")
+        return previous.history
+
     def stored(self, owner: str, response_id: str, param: str = "response_id"):
         entry = self.store.get(owner, response_id)
         if entry is None:
@@ -212,13 +223,7 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
     async def create_response(request: Request) -> Response:
         req = parse_body(ResponsesRequest, await read_body(request, cfg.max_body_bytes))
         owner = runs.owner(request)
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            previous = runs.stored(owner, req.previous_response_id, "previous_response_id")
-            if previous.history is None:
-                raise invalid(f"response {req.previous_response_id!r} is still in progress",
-                              "previous_response_id")
-            history = previous.history
+        history = runs.history(owner, req.previous_response_id)
         response_id = new_item_id("resp")
         try:
             chat = to_chat_request(req, history)
@@ -275,6 +280,24 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
             raise
         run.close()
         return JSONResponse(builder.response)
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(request: Request) -> Response:
+        """The prompt's token count for a would-be request (rendered, nothing generated)."""
+        req = parse_body(ResponsesInputTokensRequest, await read_body(request, cfg.max_body_bytes)).request()
+        history = runs.history(runs.owner(request), req.previous_response_id)
+        try:
+            chat = to_chat_request(req, history)
+            gw.check_model(chat.model)
+            chat.check_unsupported()
+            plan = plan_tools(chat.tools, chat.tool_choice, cfg.tool_call_parser)
+            prompt_ids = await gw.tokenize_chat(
+                chat.to_chat_messages(), tools_json=plan.tools_json,
+                chat_template_kwargs_json=template_kwargs_json(chat.chat_template_kwargs))
+        except ApiError as err:
+            err.param = chat_param(err.param)
+            raise
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:

@@ -194,47 +194,20 @@ class ResponsesStreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(None, json_schema_extra=_only(False))
 
 
-class ResponsesRequest(BaseModel):
+class _PromptFields(BaseModel):
+    """What shapes a request's prompt (shared by a response and its input-token count)."""
     model_config = _STRICT
 
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: ResponsesTextConfig | None = None
     reasoning: ResponsesReasoningConfig | None = None
-    store: bool | None = None
-    stream: bool | None = None
-    stream_options: ResponsesStreamOptions | None = None
-    metadata: dict[str, str] | None = Field(None, json_schema_extra={"anyOf": [
-        {"type": "object", "maxProperties": MAX_METADATA_KEYS,
-         "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
-         "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS}}, {"type": "null"}]})
-    user: str | None = None
-    background: bool | None = None     # run without the client: poll, cancel (needs store)
-    # Refused unless absent or at their "off" value (a 400 naming the field, check_unsupported).
-    include: list[str] | None = Field(None, json_schema_extra={"anyOf": [
-        {"type": "array", "items": {"enum": [LOGPROBS_INCLUDE]}}, {"type": "null"}]})
-    top_logprobs: int | None = None    # alternatives per token (logprobs on, as with include)
     truncation: Literal["auto", "disabled"] | None = Field(None, json_schema_extra=_only("disabled"))
-    max_tool_calls: int | None = Field(None, json_schema_extra=_only())
-    # OpenAI account fields that change nothing on this server (as on the chat route).
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    # Extra body (vLLM): sampling knobs the chat route takes too.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    priority: int = 0
-    cache_salt: str | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -273,6 +246,36 @@ class ResponsesRequest(BaseModel):
             raise ValueError(f"tool_choice of type {v.get('type')!r} is not supported: use "
                              "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
         return v
+
+class ResponsesRequest(_PromptFields):
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    metadata: dict[str, str] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "object", "maxProperties": MAX_METADATA_KEYS,
+         "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+         "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS}}, {"type": "null"}]})
+    user: str | None = None
+    background: bool | None = None     # run without the client: poll, cancel (needs store)
+    # Refused unless absent or at their "off" value (a 400 naming the field, check_unsupported).
+    include: list[str] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "array", "items": {"enum": [LOGPROBS_INCLUDE]}}, {"type": "null"}]})
+    top_logprobs: int | None = None    # alternatives per token (logprobs on, as with include)
+    max_tool_calls: int | None = Field(None, json_schema_extra=_only())
+    # OpenAI account fields that change nothing on this server (as on the chat route).
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Extra body (vLLM): sampling knobs the chat route takes too.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -332,6 +335,15 @@ class ResponsesRequest(BaseModel):
         fmt = self.text.format if self.text is not None and self.text.format is not None else None
         return {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"},
                 "verbosity": "medium"}
+
+
+class ResponsesInputTokensRequest(_PromptFields):
+    """`POST /v1/responses/input_tokens`: the fields of a request that shape its prompt."""
+    input: str | list[InputItem] | None = None
+
+    def request(self) -> ResponsesRequest:
+        fields = {k: v for k, v in self if v is not None}
+        return ResponsesRequest.model_construct(**{"input": [], **fields})
 
 
 def input_messages(items: str | list) -> list[dict[str, Any]]:
