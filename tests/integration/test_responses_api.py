@@ -311,6 +311,14 @@ def test_tool_choice_required_gives_a_function_call_that_validates(tool_client):
     assert after.usage.input_tokens > bare.usage.input_tokens   # the earlier turns came along
 
 
+def test_an_enforced_tool_choice_and_a_text_format_are_refused_together(tool_client):
+    client, m = tool_client
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=m.model_name, input="x", tools=[TOOL], tool_choice="required",
+                                text={"format": {"type": "json_object"}}, max_output_tokens=4)
+    assert exc.value.body["param"] == "tool_choice" and "text.format" in exc.value.body["message"]
+
+
 def test_a_streamed_function_call_assembles_to_its_arguments(tool_client):
     client, m = tool_client
     with client.responses.stream(model=m.model_name, input=TOOL_INPUT, tools=[TOOL],

@@ -232,6 +232,10 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
             plan = plan_tools(chat.tools, chat.tool_choice, cfg.tool_call_parser)
             structured_param = chat.structured_param
             if plan.forced:   # required / named: the output is tool calls, enforced by a grammar
+                if sampling.HasField("structured"):   # (said in this API's words)
+                    raise invalid("tool_choice required or a named function already constrains "
+                                  "the output: it cannot be combined with text.format "
+                                  f"{req.text.format.type}", "tool_choice")
                 enforce_tool_calls(sampling, chat, plan.allowed_names, cfg)
                 structured_param = "tools"
             await gw.check_sampling(sampling, chat.rule_options(), structured_param)
