@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,8 @@ from services.gateway.openai.responses_protocol import (ResponsesInputTokensRequ
 from services.gateway.openai.responses_store import ResponseStore
 from services.gateway.parsers import make_output_parser
 from services.gateway.service import Gateway
+
+log = logging.getLogger("meshllm.gateway.responses")
 
 CANCEL_WAIT_S = 10.0   # how long a cancel waits for the response to reach its final state
 _RETRIEVE_QUERY = ("stream", "starting_after", "include", "include_obfuscation")
@@ -94,6 +97,9 @@ class _Run:
                             {"code": "server_error", "message": first[1].error.message})
                 return
             await _drain(self.events(first))
+        except Exception:   # a bug: this response fails, the gateway goes on
+            log.exception("background response %s failed", self.id)
+            self.finish("failed", None, {"code": "server_error", "message": "internal error"})
         finally:
             self.close()
 
