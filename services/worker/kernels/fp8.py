@@ -48,7 +48,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX_C: tl
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C))
+        # div_rn: IEEE division (Triton's `/` may be approximate on the GPU), as torch's x / s.
+        q = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
         tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
 
 
@@ -96,11 +97,16 @@ def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     return y
 
 
+W8A8_MIN_ROWS = 2   # from this many rows on, activations are quantised too (bench/gpu_fp8.py measures)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with W in FP8: the GEMV at one row, else per-token FP8 x cuBLASLt."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if x.shape[0] == 1:
         return gemv_fp8(x, w, bias)
+    if x.shape[0] < W8A8_MIN_ROWS:    # weight-only: bf16 activations, the weight dequantised
+        return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
     q, s = quantize_rows(x)
     return torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w.scale[None, :], bias=bias, out_dtype=x.dtype)
