@@ -162,3 +162,9 @@ def test_the_fp8_gemv_equals_the_dequantised_product():
     w = quantize_weight(torch.randn(70, 200, generator=g))
     x, b = torch.randn(1, 200, generator=g), torch.randn(70, generator=g)
     torch.testing.assert_close(fp8_linear(x, w, b), x @ w.dequantize(torch.float32).t() + b, rtol=1e-5, atol=1e-4)
+
+
+def test_the_worker_flag_and_the_loader_accept_the_same_quantizations():
+    from services.worker.config import QUANTIZATIONS as flag_values
+    from services.worker.models.fp8 import QUANTIZATIONS as loader_values
+    assert flag_values == loader_values == ("none", "fp8")
