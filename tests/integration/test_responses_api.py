@@ -10,6 +10,7 @@ import time
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 from openai import OpenAI
 
@@ -79,6 +80,16 @@ def test_text_format_json_schema_gives_valid_json(client, mesh):
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+
+
+def test_responses_parse_fills_output_parsed_from_a_pydantic_model(client, mesh):
+    class Colour(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        warm: bool
+
+    r = client.responses.parse(model=mesh.model_name, input="Name a colour, in JSON.",
+                               text_format=Colour, max_output_tokens=60, temperature=0)
+    assert r.status == "completed" and isinstance(r.output_parsed, Colour)
 
 
 def test_previous_response_id_continues_the_conversation(client, mesh):
@@ -180,7 +191,7 @@ def _wait_until_over(client, response_id, timeout_s=60.0):
 def test_a_background_response_runs_without_the_client_and_is_polled(client, mesh):
     r = client.responses.create(model=mesh.model_name, input="Say hello.", max_output_tokens=8,
                                 temperature=0, background=True)
-    assert r.background is True and r.status == "in_progress" and r.output == []
+    assert r.background is True and r.status == "queued" and r.output == []
     done = _wait_until_over(client, r.id)
     assert done.status in ("completed", "incomplete") and done.output_text
     assert 0 < done.usage.output_tokens <= 8

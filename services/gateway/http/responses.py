@@ -92,6 +92,7 @@ class _Run:
         """Generate with no client listening; the store receives the end."""
         try:
             first = await anext(self.group)
+            self.builder.response["status"] = "in_progress"   # the engine has begun it
             if first[1].error is not None and not self.cancelled:
                 self.finish("failed", await self._usage(),
                             {"code": "server_error", "message": first[1].error.message})
@@ -156,7 +157,7 @@ class _Run:
     def close(self) -> None:
         """Stop listening (idempotent): a response that has not ended is cancelled."""
         self.group.abort()
-        if not self.done.is_set() and self.builder.response["status"] == "in_progress":
+        if not self.done.is_set() and self.builder.response["status"] in ("queued", "in_progress"):
             g = self.group
             self.finish("cancelled", usage_of(g.num_prompt_tokens, g.num_completion_tokens,
                                               g.num_cached_tokens))
@@ -259,6 +260,8 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         parser = make_output_parser(cfg.reasoning_parser, tool_parser,
                                     allowed_tools=plan.allowed_names)
         builder = ResponseBuilder(_echo(req, response_id, req.model or gw.model_name))
+        if req.background:   # until its first engine step
+            builder.response["status"] = "queued"
         run = _Run(runs, owner, group, builder, parser, history + input_messages(req.input),
                    req.stores, input_items_of(req.input, new_item_id) if req.stores else [])
         run.logprobs = req.wants_logprobs
