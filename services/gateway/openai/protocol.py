@@ -211,8 +211,9 @@ class _SamplingFields(_IgnoredOpenAIFields):
         """Refuse what OpenAI has and we do not do (the rulebook has the ranges)."""
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of={self.best_of} is not supported yet: only 1 is", "best_of")
-        if self.stream_options is not None and not self.stream:
-            # OpenAI and vLLM answer 400 too: the options only shape a stream.
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            # OpenAI and vLLM answer 400 too: the options only shape a stream (an empty object
+            # passes, as vLLM lets it).
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if self.prompt_logprobs and self.stream:   # vLLM's rule: a stream never carries them
             raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
