@@ -53,7 +53,7 @@ def _check_parts(value: Any, where: str) -> Any:
         for j, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind not in _PART_TYPES:
-                raise ValueError(f"{where}content[{j}] is of type {kind!r}: only text inputs "
+                raise ValueError(f"{where}[{j}] is of type {kind!r}: only text inputs "
                                  f"({', '.join(_PART_TYPES)}) are supported")
     return value
 
@@ -70,7 +70,7 @@ class ResponsesMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, v: Any) -> Any:
-        return _check_parts(v, "")
+        return _check_parts(v, "content")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -99,7 +99,7 @@ class ResponsesFunctionCallOutput(BaseModel):
     @field_validator("output", mode="before")
     @classmethod
     def _text_only(cls, v: Any) -> Any:
-        return _check_parts(v, "output.")
+        return _check_parts(v, "output")
 
     def text(self) -> str:
         if isinstance(self.output, str):
