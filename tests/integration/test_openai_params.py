@@ -80,6 +80,21 @@ def test_stop_token_ids_end_the_output_with_that_token(client, mesh):
     r = complete(client, mesh, temperature=0, ignore_eos=True, stop_token_ids=[stop])
     assert r.usage.completion_tokens == ids.index(stop) + 1
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    # vLLM's rule: the stopping token is not text, unless include_stop_str_in_output.
+    upto = client.completions.create(model=mesh.model_name, prompt=PROMPT, max_tokens=ids.index(stop),
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    assert r.choices[0].text == upto
+    kept = client.completions.create(model=mesh.model_name, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop],
+                                                 "include_stop_str_in_output": True}).choices[0].text
+    assert kept.startswith(upto) and len(kept) > len(upto)
+
+
+def test_the_eos_token_is_never_text_even_with_special_tokens_kept(client, mesh):
+    r = client.chat.completions.create(model=mesh.model_name, messages=[{"role": "user", "content": "Say hi."}],
+                                       max_tokens=64, temperature=0, extra_body={"skip_special_tokens": False})
+    assert r.choices[0].finish_reason == "stop"
+    assert "<|im_end|>" not in r.choices[0].message.content and r.choices[0].message.content
 
 
 @pytest.mark.parametrize("extra", [{"top_k": 1}, {"top_p": 0.001}, {"min_p": 1.0}])

@@ -86,6 +86,7 @@ class RequestHandle:
         self._want_token_strings = sampling.HasField("logprobs")
         self._want_prompt_strings = sampling.HasField("prompt_logprobs")
         self._stop_token_ids = set(sampling.stop_token_ids)
+        self._include_stop = sampling.include_stop_str_in_output
         self._matcher = StopStringMatcher(list(sampling.stop), sampling.include_stop_str_in_output)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._index: int | None = None        # set by route_to: queue (index, Delta) pairs
@@ -149,8 +150,13 @@ class RequestHandle:
     def detokenize_item(self, out) -> "pb.tokenizer.DetokenizeItem":
         """`out`: a pb.engine.RequestOutput or a MergedOutput."""
         done = out.finish_reason != pb.common.FINISH_REASON_UNSPECIFIED
-        item = pb.tokenizer.DetokenizeItem(request_id=self.request_id,
-                                           new_token_ids=out.new_token_ids,
+        ids = out.new_token_ids
+        if (done and out.stop_token_id >= 0 and not self._include_stop and ids
+                and ids[-1] == out.stop_token_id and out.finish_reason == pb.common.FINISH_REASON_STOP):
+            # vLLM's rule: the token that stopped the request (EOS or a stop id) is not text,
+            # special or not (with skip_special_tokens false, "<|im_end|>" would show otherwise).
+            ids = ids[:-1]
+        item = pb.tokenizer.DetokenizeItem(request_id=self.request_id, new_token_ids=ids,
                                            skip_special_tokens=self._skip_special, finished=done)
         if self._want_token_strings and out.logprobs:
             ids = {lp.token_id for lp in out.logprobs}
