@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import zlib
 
+import numpy as np
+
 import services  # noqa: F401  (puts the generated code on sys.path)
 from meshllm.v1 import kv_pb2  # noqa: E402
 
@@ -25,6 +27,20 @@ class NamespaceError(ValueError):
 def checksum(data) -> int:
     """CRC-32 of a bytes-like object (memoryviews of mmaps and tensors included)."""
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def copy_into(dst, src) -> None:
+    """`dst[:] = src` for bytes-like objects of one length, without holding the GIL."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def copy_and_checksum(dst, src) -> int:
+    """Copy `src` into `dst` (bytes-like, same length) and return the CRC-32 of what landed in
+    `dst`. Both steps release the GIL (numpy's contiguous copy, zlib's crc32), so blocks copied
+    on several threads move in parallel."""
+    out = np.frombuffer(dst, dtype=np.uint8)
+    np.copyto(out, np.frombuffer(src, dtype=np.uint8))
+    return zlib.crc32(out) & 0xFFFFFFFF
 
 
 def check_namespace(ns: "kv_pb2.KvNamespace") -> None:

@@ -42,6 +42,9 @@ class Backend(Protocol):
         """(data, crc) of a stored block, verified against its checksum; None: a miss (a block
         found corrupt is deleted and counted)."""
 
+    def touch(self, keys: list[BlockKey]) -> None:
+        """Mark stored blocks used, in this order (the last one is the most recently used)."""
+
     def contains(self, keys: list[BlockKey]) -> int:
         """How many of `keys`, from the first, are stored (the longest stored prefix)."""
 

@@ -21,7 +21,8 @@ class KvStoreConfig:
     shm_window_mb: int = 64             # one client's window of the shared-memory arena
     shm_windows: int = 16               # windows in the arena (0 = no arena: gRPC bytes only)
     lease_ttl_s: float = 30.0           # an unused window is taken back after this long
-    worker_threads: int = 4             # copies, checksums, disk and Redis off the event loop
+    worker_threads: int = 4             # calls' work (disk, Redis) off the event loop
+    copy_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))  # one call's blocks in parallel
     internal_tls: InternalTls = field(default_factory=InternalTls)
     metrics_port: int = 0
     log_level: str | None = None
@@ -47,8 +48,8 @@ class KvStoreConfig:
             raise ValueError("--disk-gb needs --disk-dir")
         if self.shm_window_mb <= 0 or self.shm_windows < 0:
             raise ValueError("--shm-window-mb must be positive and --shm-windows >= 0")
-        if self.lease_ttl_s <= 0 or self.worker_threads <= 0:
-            raise ValueError("--lease-ttl-s and --worker-threads must be positive")
+        if self.lease_ttl_s <= 0 or self.worker_threads <= 0 or self.copy_threads <= 0:
+            raise ValueError("--lease-ttl-s, --worker-threads and --copy-threads must be positive")
 
     @property
     def capacity_bytes(self) -> int:

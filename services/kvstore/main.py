@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="windows in the arena (0: no arena, gRPC bytes only)")
     p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"].default)
     p.add_argument("--worker-threads", type=int, default=d["worker_threads"].default)
+    p.add_argument("--copy-threads", type=int, default=KvStoreConfig().copy_threads,
+                   help="threads that copy and checksum the blocks of one call (default: min(8, CPUs))")
     p.add_argument("--log-level", default=None)
     add_metrics_args(p)
     internal_tls.add_flags(p)
@@ -44,7 +46,7 @@ def parse_config(argv: list[str] | None) -> KvStoreConfig:
         return KvStoreConfig(host=a.host, port=a.port, capacity_gb=a.capacity_gb, disk_dir=a.disk_dir,
                              disk_gb=a.disk_gb, backend=a.backend, shm_window_mb=a.shm_window_mb,
                              shm_windows=a.shm_windows, lease_ttl_s=a.lease_ttl_s,
-                             worker_threads=a.worker_threads, internal_tls=internal_tls.from_args(a),
+                             worker_threads=a.worker_threads, copy_threads=a.copy_threads, internal_tls=internal_tls.from_args(a),
                              metrics_port=a.metrics_port, log_level=a.log_level)
     except ValueError as exc:
         p.error(str(exc))

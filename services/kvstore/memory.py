@@ -86,6 +86,18 @@ class MemoryBackend:
             self._spill(evicted)
         return found
 
+    def touch(self, keys: list[BlockKey]) -> None:
+        on_disk = []
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+                else:
+                    on_disk.append(key)
+        if self.spill is not None:
+            for key in on_disk:
+                self.spill.touch(key)
+
     def contains(self, keys: list[BlockKey]) -> int:
         """A prefix may lie partly in memory and partly on disk (older blocks spill first)."""
         n = 0

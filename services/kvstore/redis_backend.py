@@ -88,6 +88,13 @@ class RedisBackend:
                 self._failed(exc)
         return found
 
+    def touch(self, keys: list[BlockKey]) -> None:
+        """Redis's LRU clock ticks once a second: the order within one call is not kept there."""
+        try:
+            self._redis.touch(*[_key(k) for k in keys])
+        except redis.exceptions.RedisError as exc:
+            self._failed(exc)
+
     def contains(self, keys: list[BlockKey]) -> int:
         if not keys:
             return 0

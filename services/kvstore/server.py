@@ -12,7 +12,7 @@ import grpc
 
 from services.common import kv_blocks
 from services.common.grpc_server import bind, make_server
-from services.common.kv_blocks import NamespaceError, kv_pb2
+from services.common.kv_blocks import NamespaceError, copy_into, kv_pb2
 from services.common.metrics import start_metrics_server
 from services.kvstore import metrics
 from services.kvstore.arena import Arena, LeaseError
@@ -37,10 +37,12 @@ def _checked(ns: "kv_pb2.KvNamespace", hashes) -> bytes:
 
 
 class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
-    def __init__(self, store: Store, arena: Arena | None, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, store: Store, arena: Arena | None, executor: ThreadPoolExecutor,
+                 copies: ThreadPoolExecutor) -> None:
         self.store = store
         self.arena = arena
-        self._executor = executor
+        self._executor = executor    # one call's work, off the event loop
+        self._copies = copies        # the blocks of one call, in parallel
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -82,21 +84,23 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         return kv_pb2.PutResponse(statuses=[_PUT_PB[s] for s in statuses])
 
     def _put(self, ns_id: bytes, block_bytes: int, blocks, window: memoryview | None) -> list[PutStatus]:
-        out = []
-        for b in blocks:
+        statuses: list[PutStatus | None] = [None] * len(blocks)
+        checked, where = [], []
+        for i, b in enumerate(blocks):
             m = b.meta
-            if m.size != block_bytes:
-                out.append(PutStatus.BAD_SIZE)
+            if m.size != block_bytes or (window is not None and m.offset + m.size > len(window)):
+                statuses[i] = PutStatus.BAD_SIZE
                 continue
-            if window is not None:
-                if m.offset + m.size > len(window):
-                    out.append(PutStatus.BAD_SIZE)
-                    continue
-                data = window[m.offset:m.offset + m.size]
-            else:
-                data = b.data
-            out.append(self.store.put(ns_id, block_bytes, m.block_hash, data, m.checksum))
-        return out
+            data = window[m.offset:m.offset + m.size] if window is not None else b.data
+            checked.append((m.block_hash, data, m.checksum))
+            where.append(i)
+        # Blocks are copied and checked on several threads (both release the GIL).
+        for i, status in zip(where, self.store.put_batch(ns_id, block_bytes, checked, self._map(len(checked)))):
+            statuses[i] = status
+        return statuses
+
+    def _map(self, n: int):
+        return self._copies.map if n > 1 else map
 
     async def Get(self, request, context):
         if len(request.block_hashes) > kv_blocks.MAX_BLOCKS_PER_CALL:
@@ -119,26 +123,22 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
     def _get(self, ns_id: bytes, block_bytes: int, hashes: list[bytes], window: memoryview | None,
              offset: int) -> list["kv_pb2.KvBlock"]:
         room = len(window) - offset if window is not None else kv_blocks.GRPC_PAYLOAD_BYTES
-        out = []
-        for h in hashes:
-            if room < block_bytes:   # what does not fit is a miss: the client asks again
-                out.append(kv_pb2.KvBlock())
-                continue
-            found = self.store.get(ns_id, block_bytes, h)
-            if found is None:
-                out.append(kv_pb2.KvBlock())
-                continue
-            data, crc = found
-            meta = kv_pb2.KvBlockMeta(block_hash=h, size=len(data), checksum=crc)
-            if window is not None:
-                window[offset:offset + len(data)] = data
-                meta.offset = offset
-                offset += len(data)
-                out.append(kv_pb2.KvBlock(meta=meta))
-            else:
-                out.append(kv_pb2.KvBlock(meta=meta, data=data))
-            room -= len(data)
-        return out
+        fits = min(len(hashes), room // block_bytes)   # what does not fit is a miss: the client asks again
+        found = self.store.get_batch(ns_id, block_bytes, hashes[:fits], self._map(fits))
+
+        def one(i: int) -> "kv_pb2.KvBlock":
+            if i >= fits or found[i] is None:
+                return kv_pb2.KvBlock()
+            data, crc = found[i]
+            meta = kv_pb2.KvBlockMeta(block_hash=hashes[i], size=len(data), checksum=crc)
+            if window is None:
+                return kv_pb2.KvBlock(meta=meta, data=bytes(data))
+            # Block i has slot i of the window (a miss leaves its slot unused).
+            meta.offset = offset + i * block_bytes
+            copy_into(window[meta.offset:meta.offset + block_bytes], data)   # verified by the store
+            return kv_pb2.KvBlock(meta=meta)
+
+        return list(self._map(len(hashes))(one, range(len(hashes))))
 
     async def OpenArena(self, request, context):
         lease = self.arena.open_window() if self.arena is not None else None
@@ -197,7 +197,8 @@ async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
     arena = Arena(cfg.shm_window_mb * MIB, cfg.shm_windows, cfg.lease_ttl_s) if cfg.shm_windows else None
     executor = ThreadPoolExecutor(cfg.worker_threads, thread_name_prefix="kvstore")
     server, health = make_server("kvstore", [SERVICE_NAME])
-    servicer = KvStoreServicer(store, arena, executor)
+    copies = ThreadPoolExecutor(cfg.copy_threads, thread_name_prefix="kvstore-copy")
+    servicer = KvStoreServicer(store, arena, executor, copies)
     kv_pb2_grpc.add_KvStoreServicer_to_server(servicer, server)
     port = bind(server, cfg.address, cfg.internal_tls.server_credentials())
     await server.start()
@@ -216,6 +217,7 @@ async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
         health.set_ready(False, "stopping")
         await server.stop(grace=2.0)
         executor.shutdown(wait=False, cancel_futures=True)
+        copies.shutdown(wait=False, cancel_futures=True)
         store.backend.close()
         if arena is not None:
             arena.close()

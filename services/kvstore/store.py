@@ -7,7 +7,7 @@ import enum
 import threading
 from dataclasses import dataclass
 
-from services.common.kv_blocks import checksum
+from services.common.kv_blocks import copy_and_checksum
 from services.kvstore.backend import Backend, BackendStats, PutOutcome
 
 
@@ -40,34 +40,61 @@ class Store:
         self._lock = threading.Lock()
 
     def put(self, ns_id: bytes, block_bytes: int, block_hash: bytes, data, claimed_crc: int) -> PutStatus:
-        """`data` is any bytes-like object (a shared-memory window included): it is copied once,
-        and the copy is what is checked, so a writer changing its buffer meanwhile gains nothing."""
-        if len(data) != block_bytes:
-            status = PutStatus.BAD_SIZE
-        else:
-            raw = bytes(data)
-            if checksum(raw) != claimed_crc:
-                status = PutStatus.BAD_CHECKSUM
-            else:
-                status = _OUTCOME[self.backend.put((ns_id, block_hash), raw, claimed_crc)]
+        return self.put_batch(ns_id, block_bytes, [(block_hash, data, claimed_crc)])[0]
+
+    def put_batch(self, ns_id: bytes, block_bytes: int, blocks: list[tuple[bytes, object, int]],
+                  map_fn=map) -> list[PutStatus]:
+        """Store (hash, bytes-like, claimed crc) blocks of one hash chain, first block first.
+
+        Each block's bytes (a shared-memory window included) are copied once and the copy is
+        what is checked, so a writer changing its buffer meanwhile gains nothing; `map_fn` runs
+        those copies (a thread pool's map: they release the GIL). The checked blocks enter the
+        backend last block first, so the chain's head is the most recently used and the LRU
+        evicts a chain from its tail: what stays stored is still a prefix."""
+        def check(block) -> tuple[PutStatus | None, bytearray | None]:
+            _, data, crc = block
+            if len(data) != block_bytes:
+                return PutStatus.BAD_SIZE, None
+            raw = bytearray(block_bytes)   # never mutated once stored
+            if copy_and_checksum(raw, data) != crc:
+                return PutStatus.BAD_CHECKSUM, None
+            return None, raw
+
+        checked = list(map_fn(check, blocks))
+        statuses: list[PutStatus] = [PutStatus.FAILED] * len(blocks)
+        for i in range(len(blocks) - 1, -1, -1):
+            status, raw = checked[i]
+            if status is None:
+                status = _OUTCOME[self.backend.put((ns_id, blocks[i][0]), raw, blocks[i][2])]
+            statuses[i] = status
+        kept = sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
         with self._lock:
-            if status in (PutStatus.STORED, PutStatus.EXISTS):
-                self.counters.bytes_in += block_bytes
-            else:
-                self.counters.refused += 1
-        return status
+            self.counters.bytes_in += kept * block_bytes
+            self.counters.refused += len(blocks) - kept
+        return statuses
 
     def get(self, ns_id: bytes, block_bytes: int, block_hash: bytes) -> tuple[bytes, int] | None:
-        found = self.backend.get((ns_id, block_hash))
-        if found is not None and len(found[0]) != block_bytes:
-            found = None   # cannot happen through put(); never hand out a wrong-sized block
+        return self.get_batch(ns_id, block_bytes, [block_hash])[0]
+
+    def get_batch(self, ns_id: bytes, block_bytes: int, hashes: list[bytes],
+                  map_fn=map) -> list[tuple[bytes, int] | None]:
+        """Each block's verified (bytes, crc), or None. The found blocks are then marked used
+        last block first, for the same reason as in put_batch."""
+        def one(h: bytes):
+            found = self.backend.get((ns_id, h))
+            if found is not None and len(found[0]) != block_bytes:
+                return None   # cannot happen through put(); never hand out a wrong-sized block
+            return found
+
+        out = list(map_fn(one, hashes))
+        hits = [(ns_id, h) for h, f in zip(hashes, out) if f is not None]
+        if len(hits) > 1:
+            self.backend.touch(hits[::-1])
         with self._lock:
-            if found is None:
-                self.counters.misses += 1
-            else:
-                self.counters.hits += 1
-                self.counters.bytes_out += block_bytes
-        return found
+            self.counters.hits += len(hits)
+            self.counters.misses += len(hashes) - len(hits)
+            self.counters.bytes_out += len(hits) * block_bytes
+        return out
 
     def lookup(self, ns_id: bytes, hashes: list[bytes]) -> int:
         return self.backend.contains([(ns_id, h) for h in hashes])

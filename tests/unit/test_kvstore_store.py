@@ -222,6 +222,19 @@ def test_memory_lru_evicts_the_least_recently_used_and_never_exceeds_capacity():
     assert store.lookup(NSID, chain[8:]) == 4
 
 
+def test_a_chain_is_evicted_from_its_tail_so_what_stays_is_a_prefix():
+    store = Store(MemoryBackend(4 * BLOCK))
+    chain = _chain(6)
+    statuses = store.put_batch(NSID, BLOCK, [(h, _data(i), checksum(_data(i))) for i, h in enumerate(chain)])
+    assert statuses == [PutStatus.STORED] * 6
+    assert store.lookup(NSID, chain) == 4                      # blocks 0..3: the head
+    found = store.get_batch(NSID, BLOCK, chain)
+    assert [f is not None for f in found] == [True] * 4 + [False] * 2
+    other = _chain(2, seed=500)
+    store.put_batch(NSID, BLOCK, [(h, _data(9), checksum(_data(9))) for h in other])
+    assert store.lookup(NSID, chain) == 2 and store.lookup(NSID, other) == 2
+
+
 def test_disk_spill_is_bounded_lru_and_survives_a_restart(tmp_path):
     per_file = record.record_size(chain_hash := _chain(1)[0], BLOCK)
     assert len(chain_hash) == 32
