@@ -110,6 +110,22 @@ def test_previous_response_id_continues_the_conversation(client, mesh):
         alone.usage.input_tokens
 
 
+def test_an_item_reference_brings_a_stored_item_into_the_input(client, mesh):
+    first = client.responses.create(model=mesh.model_name, input="Say a long sentence.",
+                                    max_output_tokens=12, temperature=0)
+    question = {"role": "user", "content": "Repeat it."}
+    ref = {"type": "item_reference", "id": first.output[0].id}
+    with_ref = client.responses.input_tokens.count(model=mesh.model_name, input=[ref, question])
+    alone = client.responses.input_tokens.count(model=mesh.model_name, input=[question])
+    assert with_ref.input_tokens >= alone.input_tokens + first.usage.output_tokens - 2
+    r = client.responses.create(model=mesh.model_name, input=[ref, question], max_output_tokens=2)
+    assert r.usage.input_tokens == with_ref.input_tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=mesh.model_name, max_output_tokens=2,
+                                input=[{"type": "item_reference", "id": "msg_unknown"}])
+    assert exc.value.body["param"] == "input"
+
+
 def test_store_false_is_neither_retrievable_nor_a_previous_response(client, mesh):
     r = client.responses.create(model=mesh.model_name, input="Hi", max_output_tokens=2, store=False)
     assert r.store is False

@@ -8,7 +8,7 @@ from services.gateway.errors import ApiError
 from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.responses_protocol import (ResponsesRequest, chat_param,
                                                         input_items_of, input_messages,
-                                                        to_chat_request)
+                                                        resolve_references, to_chat_request)
 
 TOOL = {"type": "function", "name": "get_weather", "description": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -104,7 +104,6 @@ def test_what_is_not_done_is_a_400_naming_the_field(field, value):
 @pytest.mark.parametrize("body, param, needle", [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input", "input_image"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input", "input_file"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
@@ -158,3 +157,20 @@ def test_logprobs_come_on_by_include_or_top_logprobs():
     assert sp.HasField("logprobs") and sp.logprobs == 0
     assert to_chat_request(parse(input="x", top_logprobs=3), []).to_sampling().logprobs == 3
     assert not to_chat_request(parse(input="x", top_logprobs=0), []).to_sampling().HasField("logprobs")
+
+
+def test_item_references_become_the_stored_items_they_name():
+    stored = {"msg_1": {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": "earlier", "annotations": [],
+                                     "logprobs": []}]},
+              "fc_1": {"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f",
+                       "arguments": "{}", "status": "completed"}}
+    req = parse(input=[{"type": "item_reference", "id": "msg_1"},
+                       {"type": "item_reference", "id": "fc_1"}, {"role": "user", "content": "now"}])
+    items = resolve_references(req.input, stored.get)
+    msgs = input_messages(items)
+    assert [(m["role"], m["content"]) for m in msgs] == [("assistant", "earlier"), ("user", "now")]
+    assert msgs[0]["tool_calls"][0]["id"] == "c"
+    err = error_of(resolve_references, parse(input=[{"type": "item_reference", "id": "x"}]).input,
+                   stored.get)
+    assert err["param"] == "input" and "'x'" in err["message"]

@@ -50,3 +50,12 @@ def test_entries_expire_and_replacing_one_keeps_the_byte_count_right():
 def test_zero_entries_stores_nothing():
     store = ResponseStore(0, 1 << 20, 60)
     assert not store.put("", "a", {}, []) and store.get("", "a") is None
+
+
+def test_items_are_found_by_id_in_the_owners_responses_only():
+    store = ResponseStore(10, 1 << 20, 60)
+    store.put("alice", "r1", {"output": [{"id": "msg_a", "type": "message"}]}, [],
+              [{"id": "msg_in", "type": "message"}])
+    assert store.find_item("alice", "msg_a")["type"] == "message"
+    assert store.find_item("alice", "msg_in") is not None
+    assert store.find_item("bob", "msg_a") is None and store.find_item("alice", "nope") is None

@@ -36,7 +36,8 @@ from services.gateway.openai.responses_events import (ResponseBuilder, history_o
 from services.gateway.openai.responses_protocol import (ResponsesInputTokensRequest,
                                                         ResponsesFunctionChoice, ResponsesRequest,
                                                         chat_param, input_items_of,
-                                                        input_messages, to_chat_request)
+                                                        input_messages, resolve_references,
+                                                        to_chat_request)
 from services.gateway.openai.responses_store import ResponseStore
 from services.gateway.parsers import make_output_parser
 from services.gateway.service import Gateway
@@ -210,6 +211,10 @@ class _Runs:
                           "previous_response_id")
         return previous.history
 
+    def resolved(self, owner: str, items):
+        """The input with its item references replaced by `owner`'s stored items."""
+        return resolve_references(items, lambda item_id: self.store.find_item(owner, item_id))
+
     def stored(self, owner: str, response_id: str, param: str = "response_id"):
         entry = self.store.get(owner, response_id)
         if entry is None:
@@ -231,6 +236,7 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         req = parse_body(ResponsesRequest, await read_body(request, cfg.max_body_bytes))
         owner = runs.owner(request)
         history = runs.history(owner, req.previous_response_id)
+        req.input = runs.resolved(owner, req.input)
         response_id = new_item_id("resp")
         try:
             chat = to_chat_request(req, history)
@@ -298,7 +304,9 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
     async def count_input_tokens(request: Request) -> Response:
         """The prompt's token count for a would-be request (rendered, nothing generated)."""
         req = parse_body(ResponsesInputTokensRequest, await read_body(request, cfg.max_body_bytes)).request()
-        history = runs.history(runs.owner(request), req.previous_response_id)
+        owner = runs.owner(request)
+        history = runs.history(owner, req.previous_response_id)
+        req.input = runs.resolved(owner, req.input)
         try:
             chat = to_chat_request(req, history)
             gw.check_model(chat.model)

@@ -14,9 +14,10 @@ field (built-in tools, non-text inputs, other `include` values, truncation "auto
 docs/api_responses.md lists every field with its status."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from services.gateway.errors import invalid
 from services.gateway.openai.protocol import ChatCompletionRequest, describe_validation_error
@@ -28,7 +29,7 @@ MAX_INPUT_ITEMS = 2048
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 _STRICT = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
 _PART_TYPES = ("input_text", "output_text")
 
 
@@ -119,7 +120,16 @@ class ResponsesReasoning(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-InputItem = Annotated[Union[ResponsesMessage, ResponsesFunctionCall, ResponsesFunctionCallOutput, ResponsesReasoning],
+class ResponsesItemReference(BaseModel):
+    """An item of a stored response (input or output) by its id, resolved before anything else
+    (resolve_references)."""
+    model_config = _STRICT
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1)
+
+
+InputItem = Annotated[Union[ResponsesMessage, ResponsesFunctionCall, ResponsesFunctionCallOutput,
+                            ResponsesReasoning, ResponsesItemReference],
                       Field(discriminator="type")]
 
 
@@ -344,6 +354,30 @@ class ResponsesInputTokensRequest(_PromptFields):
     def request(self) -> ResponsesRequest:
         fields = {k: v for k, v in self if v is not None}
         return ResponsesRequest.model_construct(**{"input": [], **fields})
+
+
+_REFERABLE = TypeAdapter(InputItem)
+
+
+def resolve_references(items: str | list, find: Callable[[str], dict[str, Any] | None]) -> str | list:
+    """`items` with each item_reference replaced by the stored item it names (`find(id)`: the
+    caller's own stored items only); one that names nothing is a 400."""
+    if isinstance(items, str) or not any(isinstance(i, ResponsesItemReference) for i in items):
+        return items
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, ResponsesItemReference):
+            found = find(item.id)
+            if found is None or found.get("type") == "item_reference":
+                raise invalid(f"input[{i}] references item {item.id!r}, which is not in a stored "
+                              "response of this API key", "input")
+            try:
+                item = _REFERABLE.validate_python(found)
+            except ValidationError:
+                raise invalid(f"input[{i}]: the stored item {item.id!r} cannot be used as input",
+                              "input") from None
+        out.append(item)
+    return out
 
 
 def input_messages(items: str | list) -> list[dict[str, Any]]:

@@ -68,6 +68,18 @@ class ResponseStore:
         self._entries.move_to_end(key)
         return entry
 
+    def find_item(self, owner: str, item_id: str) -> dict[str, Any] | None:
+        """An input or output item of one of `owner`'s live stored responses, by id (the most
+        recent response first; a scan: item references are rare, and the store is bounded)."""
+        now = self.clock()
+        for (who, _), entry in reversed(self._entries.items()):
+            if who != owner or entry.expires_at <= now:
+                continue
+            for item in (*entry.body.get("output", ()), *entry.input_items):
+                if item.get("id") == item_id:
+                    return item
+        return None
+
     def delete(self, owner: str, response_id: str) -> bool:
         entry = self._entries.pop((owner, response_id), None)
         if entry is None:
