@@ -111,3 +111,13 @@ def test_a_request_preempted_before_its_first_token_sends_its_prompt_logprobs_on
         got += [out.prompt_logprobs for out in outs if out.request_id == "plp" and out.new_token_ids]
     assert preempted_before_first_token and plp.num_preemptions >= 1
     assert got[0] == [("pos", p) for p in range(1, len(prompt))] and got[1:] == [[]]
+
+
+def test_merged_steps_keep_the_prompt_logprobs_of_the_first_token_output():
+    from services.scheduler.core import RequestOutput
+    from services.scheduler.server import merge_steps
+
+    first = RequestOutput("a", [5], prompt_logprobs=[("pos", 1), ("pos", 2)])
+    out = merge_steps([[first], [RequestOutput("a", [6])], [RequestOutput("a", [7])]])
+    assert [(o.new_token_ids, o.prompt_logprobs) for o in out] == [([5, 6, 7], [("pos", 1), ("pos", 2)])]
+    assert first.new_token_ids == [5]

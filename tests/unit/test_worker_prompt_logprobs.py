@@ -171,3 +171,21 @@ def test_the_gpu_executor_path_gives_the_reference_prompt_logprobs(tiny_model):
         assert [(lp.position, lp.token_id, lp.rank, [t.token_id for t in lp.top]) for lp in kern[rid]] == \
             [(lp.position, lp.token_id, lp.rank, [t.token_id for t in lp.top]) for lp in ref[rid]]
         assert [lp.logprob for lp in kern[rid]] == pytest.approx([lp.logprob for lp in ref[rid]], abs=1e-4)
+
+
+def test_a_request_resumed_with_outputs_is_not_scored_again(tiny_model):
+    """After a preemption past the first token the prompt's logprobs were delivered: the resumed
+    request (its outputs among its tokens) computes its prefix again but scores nothing."""
+    from services.common import pb
+    from services.worker.wire import ProtoRunner
+
+    runner = ModelRunner(tiny_model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=NUM_BLOCKS,
+                         block_size=BLOCK)
+    runner.hello(BLOCK)
+    tokens = list(range(20, 32))     # 10 prompt tokens + 2 outputs
+    plan = pb.step.StepPlan(step_id=1)
+    plan.new_requests.add(request_id="r", token_ids=tokens, block_ids=[0, 1, 2, 3],
+                          sampling=pb.common.SamplingParams(max_tokens=8, prompt_logprobs=3),
+                          num_computed_tokens=0, num_scheduled_tokens=len(tokens), num_output_tokens=2)
+    out = ProtoRunner(runner).execute(plan).outputs[0]
+    assert len(out.token_ids) == 1 and not out.prompt_logprobs
