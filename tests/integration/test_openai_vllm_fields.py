@@ -301,3 +301,20 @@ def test_an_admin_key_alone_guards_admin_routes_but_leaves_the_api_open(mesh):
             assert stub.ListModels(pb.generation.ListModelsRequest(), timeout=30).models
     finally:
         gw.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations"])
+def test_the_sdks_model_dump_has_the_raw_responses_keys(client, http, mesh, path):
+    """vLLM's /invocations test compares an SDK object's model_dump() with the raw JSON: every
+    field the SDK declares is in the body (null where unset), nothing the SDK fills in is missing."""
+    body = {"model": mesh.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0}
+    sdk = client.chat.completions.create(**body).model_dump()
+    raw = http.post(path, json=body).json()
+    assert sdk.keys() == raw.keys()
+    assert sdk["choices"][0]["message"].keys() == raw["choices"][0]["message"].keys()
+    assert sdk["choices"][0]["message"]["content"] == raw["choices"][0]["message"]["content"]
+    comp = client.completions.create(model=mesh.model_name, prompt="Hi", max_tokens=4, temperature=0).model_dump()
+    raw = http.post("/v1/completions", json={"model": mesh.model_name, "prompt": "Hi", "max_tokens": 4,
+                                             "temperature": 0}).json()
+    assert comp.keys() == raw.keys()

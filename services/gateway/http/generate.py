@@ -168,6 +168,11 @@ async def generate(request: Request, gw: Gateway, req, request_id: str,
         raise
     group.abort()
     out = body.envelope(body.whole_object, [b.whole() for b in builders])
+    # The SDK's declared fields, null as vLLM sends them: a client's model_dump() has the keys the
+    # raw JSON has (vLLM's own /invocations test compares them).
+    out["system_fingerprint"] = None
+    if spec.chat:
+        out.update(service_tier=None, metadata=None, moderation=None)
     if spec.chat and spec.return_token_ids:   # vLLM: chat's prompt ids are on the response
         out["prompt_token_ids"] = prompts[0].ids
     if spec.chat:   # vLLM: chat's prompt_logprobs are on the response (null unless asked for)

@@ -259,6 +259,9 @@ class ChoiceBuilder:
                     self.finish_reason = "tool_calls"
         if self.echo:   # vLLM: the echo prefixes the parsed content
             message["content"] = self.echo + (message["content"] or "")
+        for key in ("refusal", "annotations", "audio", "function_call"):   # the SDK's fields, null
+            message.setdefault(key, None)
+        message.setdefault("tool_calls", [])   # vLLM's default
         out = {"index": self.index, "message": message,
                "logprobs": ({"content": chat_content(self.lps, self.strings)}
                             if self.spec.logprobs else None),
