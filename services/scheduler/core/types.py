@@ -1,6 +1,7 @@
 """Boundary value types of the scheduler core (converted to/from protobuf by the adapter)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int = -1
-    prompt_logprobs: list[Any] = field(default_factory=list)   # the whole prompt's, with the first token
+    # The whole prompt's, on the first-token output only (a shared empty default: no list per output).
+    prompt_logprobs: Sequence[Any] = ()
     # Set by the adapter on the first-token and finishing outputs (the core has no clock):
     # RequestTiming stamps (queued, first scheduled, first token, finished), Unix ns, 0 = not yet.
     timing: tuple[int, int, int, int] | None = None
