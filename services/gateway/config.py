@@ -46,6 +46,7 @@ class GatewayConfig:
     responses_store_max_entries: int = 1024
     responses_store_max_bytes: int = 64 * 1024 * 1024
     responses_store_ttl_s: float = 3600.0
+    enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (shows the chat template): off, as vLLM
     log_level: str = "INFO"
     reasoning_parser: str | None = None   # a name in parsers.REASONING_PARSERS
     tool_call_parser: str | None = None   # a name in parsers.TOOL_PARSERS

@@ -50,6 +50,10 @@ def add_flags(p: argparse.ArgumentParser, defaults) -> None:
                    help="bytes of stored responses and their conversations (LRU past it)")
     p.add_argument("--responses-store-ttl-s", type=float, default=defaults.responses_store_ttl_s,
                    help="a stored response is gone this long after it was stored")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   default=defaults.enable_tokenizer_info_endpoint,
+                   help="serve GET /tokenizer_info (the tokenizer configuration and chat template; "
+                        "off by default, as vLLM: it shows a custom --chat-template to every API key holder)")
     p.add_argument("--api-key", action="append", default=[],
                    help="a key clients send as 'Authorization: Bearer KEY' (repeatable; also "
                         "MESHLLM_API_KEYS, comma separated)")
@@ -88,6 +92,8 @@ def gateway_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             argv += [flag, str(value)]
+    if getattr(args, "enable_tokenizer_info_endpoint", False):
+        argv.append("--enable-tokenizer-info-endpoint")
     for key in args.api_key or []:
         argv += ["--api-key", key]
     for key in args.admin_api_key or []:

@@ -262,8 +262,21 @@ def test_chat_echo_prefixes_the_continued_assistant_turn(client, mesh):
 
 # -- /tokenizer_info and /invocations -----------------------------------------------------------
 
-def test_tokenizer_info_shows_the_tokenizer_config(http, smollm2_dir):
-    info = http.get("/tokenizer_info").json()
+ADMIN = "admin-only-key-1234"
+
+
+@pytest.fixture(scope="module")
+def flagged_gw(mesh):
+    """A second gateway: an admin key alone, and /tokenizer_info turned on."""
+    gw = start_gateway(mesh, "--admin-api-key", ADMIN, "--enable-tokenizer-info-endpoint")
+    yield gw
+    gw.stop()
+
+
+def test_tokenizer_info_is_off_by_default_and_shows_the_tokenizer_config_when_on(http, flagged_gw, smollm2_dir):
+    off = http.get("/tokenizer_info")
+    assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
+    info = httpx.get(f"http://127.0.0.1:{flagged_gw.http_port}/tokenizer_info", timeout=30).json()
     config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
     assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert info["chat_template"] == config["chat_template"]
@@ -287,20 +300,16 @@ def test_invocations_route_by_body_shape(http, mesh):
 
 # -- auth: admin keys alone leave the API open ----------------------------------------------------
 
-def test_an_admin_key_alone_guards_admin_routes_but_leaves_the_api_open(mesh):
-    admin = "admin-only-key-1234"
-    gw = start_gateway(mesh, "--admin-api-key", admin)
-    try:
-        url = f"http://127.0.0.1:{gw.http_port}"
-        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
-        as_admin = {"Authorization": f"Bearer {admin}"}
-        assert httpx.get(f"{url}/v1/models", headers=as_admin, timeout=30).status_code == 200
-        assert httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 401
-        with grpc.insecure_channel(gw.grpc_addr) as ch:
-            stub = pb.generation_grpc.GenerationStub(ch)
-            assert stub.ListModels(pb.generation.ListModelsRequest(), timeout=30).models
-    finally:
-        gw.stop()
+def test_an_admin_key_alone_guards_admin_routes_but_leaves_the_api_open(flagged_gw):
+    admin, gw = ADMIN, flagged_gw
+    url = f"http://127.0.0.1:{gw.http_port}"
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+    as_admin = {"Authorization": f"Bearer {admin}"}
+    assert httpx.get(f"{url}/v1/models", headers=as_admin, timeout=30).status_code == 200
+    assert httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 401
+    with grpc.insecure_channel(gw.grpc_addr) as ch:
+        stub = pb.generation_grpc.GenerationStub(ch)
+        assert stub.ListModels(pb.generation.ListModelsRequest(), timeout=30).models
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations"])
