@@ -240,6 +240,22 @@ def test_logprobs_come_with_the_text_whole_and_streamed(client, mesh):
     assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
 
 
+def test_a_streamed_background_response_can_be_streamed_again_from_any_event(client, mesh):
+    events = list(client.responses.create(model=mesh.model_name, input=LONG, max_output_tokens=12,
+                                          temperature=0, background=True, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    response_id = events[0].response.id
+    tail = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [(e.sequence_number, e.type) for e in tail] == \
+        [(e.sequence_number, e.type) for e in events[4:]]
+    assert tail[-1].response.output_text == client.responses.retrieve(response_id).output_text
+    foreground = client.responses.create(model=mesh.model_name, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as exc:
+        list(client.responses.retrieve(foreground.id, stream=True))
+    assert exc.value.body["param"] == "stream"
+
+
 def test_unsupported_fields_are_a_400_naming_them(client, mesh):
     for kwargs, param in (({"tools": [{"type": "web_search"}]}, "tools"),
                           ({"background": True, "store": False}, "background"),

@@ -13,7 +13,6 @@ in a task of `_Runs.tasks` (held until it ends: admission bounds them like any r
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.guard.auth import ApiKeys
 from services.gateway.http.body import ClientGone, read_body, watch
 from services.gateway.http.completions import enforce_tool_calls
+from services.gateway.http.responses_log import EventLog, replay, sse_text
 from services.gateway.http.sse import SSEResponse, coalesce
 from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceGroup
@@ -45,7 +45,6 @@ from services.gateway.service import Gateway
 log = logging.getLogger("meshllm.gateway.responses")
 
 CANCEL_WAIT_S = 10.0   # how long a cancel waits for the response to reach its final state
-_RETRIEVE_QUERY = ("stream", "starting_after", "include", "include_obfuscation")
 
 
 def _echo(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
@@ -78,6 +77,7 @@ class _Run:
         self.parser, self.conversation, self.stores = parser, conversation, stores
         self.input_items = input_items
         self.logprobs = False   # token logprobs on output_text (set by the route)
+        self.log: EventLog | None = None   # a streamed background response's events
         self.cancelled = False
         self.done = asyncio.Event()
         self.id = builder.response["id"]
@@ -95,15 +95,24 @@ class _Run:
             first = await anext(self.group)
             self.builder.response["status"] = "in_progress"   # the engine has begun it
             if first[1].error is not None and not self.cancelled:
-                self.finish("failed", await self._usage(),
-                            {"code": "server_error", "message": first[1].error.message})
+                self._log(self.builder.start() + self.finish(
+                    "failed", await self._usage(),
+                    {"code": "server_error", "message": first[1].error.message}))
                 return
-            await _drain(self.events(first))
+            async for events in self.events(first):
+                self._log(events)
         except Exception:   # a bug: this response fails, the gateway goes on
             log.exception("background response %s failed", self.id)
-            self.finish("failed", None, {"code": "server_error", "message": "internal error"})
+            self._log(self.finish("failed", None, {"code": "server_error", "message": "internal error"}))
         finally:
             self.close()
+            if self.log is not None:
+                self.log.close()
+                self._store()   # again, with the whole event log for later replay
+
+    def _log(self, events: list[dict[str, Any]]) -> None:
+        if self.log is not None:
+            self.log.append(events)
 
     async def _usage(self) -> dict[str, Any]:
         reasoning_tokens = 0
@@ -148,12 +157,15 @@ class _Run:
         if self.done.is_set():
             return []
         events = self.builder.finish(status, usage, error=error, completed_at=int(time.time()))
+        self._store()
+        self.close()
+        return events
+
+    def _store(self) -> None:
         if self.stores:
             history = self.conversation + history_of(self.builder.output)
             self.runs.store.put(self.owner, self.id, self.builder.response, history,
-                                self.input_items)
-        self.close()
-        return events
+                                self.input_items, self.log.texts if self.log else None)
 
     def close(self) -> None:
         """Stop listening (idempotent): a response that has not ended is cancelled."""
@@ -179,9 +191,7 @@ class _SseBody:
         return self
 
     async def __anext__(self) -> str:
-        events = await anext(self._events)
-        return "".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
-                       for e in events)
+        return "".join(map(sse_text, await anext(self._events)))
 
     async def aclose(self) -> None:
         await self._events.aclose()
@@ -220,6 +230,23 @@ class _Runs:
         if entry is None:
             raise ApiError("not_found", f"Response with id {response_id!r} not found.", param=param)
         return entry
+
+
+def _stream_again(stored, run: _Run | None, starting_after: str | None) -> Response:
+    """A streamed background response's events after `starting_after`: followed while it runs,
+    replayed once it is over."""
+    if starting_after is not None and not starting_after.isdigit():
+        raise invalid("starting_after must be a sequence number (an integer >= 0)",
+                      "starting_after")
+    after = int(starting_after) if starting_after is not None else -1
+    if run is not None and run.log is not None:
+        events = run.log.follow(after)
+    elif stored.events is not None:
+        events = replay(stored.events, after)
+    else:
+        raise invalid("only a background response created with stream true can be streamed "
+                      "again", "stream")
+    return SSEResponse(events, on_disconnect=lambda: None, headers={"Cache-Control": "no-cache"})
 
 
 async def _drain(events: AsyncIterator) -> None:
@@ -272,9 +299,14 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
                    req.stores, input_items_of(req.input, new_item_id) if req.stores else [])
         run.logprobs = req.wants_logprobs
         if req.background:
+            if req.stream:   # this request follows the run's log; it runs on if the client goes
+                run.log = EventLog()
             task = asyncio.create_task(run.run_in_background())
             runs.tasks.add(task)
             task.add_done_callback(runs.tasks.discard)
+            if run.log is not None:
+                return SSEResponse(run.log.follow(), on_disconnect=lambda: None,
+                                   headers={"Cache-Control": "no-cache"})
             return JSONResponse(builder.response | {"output": []})
         try:
             # Wait for the first step before committing to 200, so early failures get a status.
@@ -322,14 +354,17 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:
-        for name in _RETRIEVE_QUERY:
-            value = request.query_params.get(name)
-            if value not in (None, "", "false"):
-                raise invalid(f"the query parameter {name} is not supported (responses are "
-                              "not streamed again)", name)
+        q = request.query_params
+        for name in ("include", "include_obfuscation"):
+            if q.get(name) not in (None, "", "false"):
+                raise invalid(f"the query parameter {name} is not supported", name)
         owner = runs.owner(request)
         stored = runs.stored(owner, response_id)
         run = runs.active.get((owner, response_id))
+        if q.get("stream") == "true":
+            return _stream_again(stored, run, q.get("starting_after"))
+        if q.get("stream") not in (None, "", "false") or q.get("starting_after") is not None:
+            raise invalid("starting_after needs stream=true", "starting_after")
         if run is not None and run.stores and not run.done.is_set():
             # Running: the output so far (the store receives it when the response ends).
             return JSONResponse(run.builder.response | {"output": list(run.builder.output)})

@@ -305,8 +305,6 @@ class ResponsesRequest(_PromptFields):
         refusals = (
             ("background", bool(self.background and self.store is False), "a background "
              "response must be stored: it is read with GET /v1/responses/{id}; omit store"),
-            ("background", bool(self.background and self.stream), "a background response "
-             "cannot be streamed here (no resumable event stream): poll GET /v1/responses/{id}"),
             ("include", any(v != LOGPROBS_INCLUDE for v in self.include or ()), "include "
              f"takes only {LOGPROBS_INCLUDE!r} here (no encrypted reasoning, images or tool "
              "sources are returned)"),

@@ -26,6 +26,7 @@ class StoredResponse:
     size: int
     expires_at: float
     input_items: list[dict[str, Any]] = field(default_factory=list)   # GET .../input_items
+    events: list[str] | None = None    # a streamed background response's events, for replay
 
 
 class ResponseStore:
@@ -43,16 +44,17 @@ class ResponseStore:
 
     def put(self, owner: str, response_id: str, body: dict[str, Any],
             history: list[dict[str, Any]] | None,
-            input_items: list[dict[str, Any]] | None = None) -> bool:
+            input_items: list[dict[str, Any]] | None = None,
+            events: list[str] | None = None) -> bool:
         """Keep (or replace) one response; False when it is not kept (store disabled, or the
         entry alone is over the byte bound)."""
         self.delete(owner, response_id)
         size = len(json.dumps(body)) + (len(json.dumps(history)) if history else 0) + \
-            (len(json.dumps(input_items)) if input_items else 0)
+            (len(json.dumps(input_items)) if input_items else 0) + sum(map(len, events or ()))
         if self.max_entries == 0 or size > self.max_bytes:
             return False
         self._entries[(owner, response_id)] = StoredResponse(
-            body, history, size, self.clock() + self.ttl_s, input_items or [])
+            body, history, size, self.clock() + self.ttl_s, input_items or [], events)
         self.bytes += size
         self._evict()
         return True

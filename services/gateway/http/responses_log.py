@@ -1,0 +1,64 @@
+"""The event log of a streamed background response: what its stream readers follow while it
+runs, and what `GET /v1/responses/{id}?stream=true&starting_after=N` replays or follows.
+
+Events are kept as SSE text, indexed by sequence number, up to `max_bytes`: past it the log
+keeps no more, and a reader that reaches its end stops there (the whole response is still
+stored: GET without stream has it)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+MAX_EVENT_LOG_BYTES = 8 * 1024 * 1024
+
+
+def sse_text(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+class EventLog:
+    def __init__(self, max_bytes: int = MAX_EVENT_LOG_BYTES) -> None:
+        self.texts: list[str] = []       # texts[i]: the event of sequence number i
+        self.bytes, self.max_bytes = 0, max_bytes
+        self.full = False                # past max_bytes: nothing more is kept
+        self.closed = False
+        self._changed = asyncio.Event()  # replaced on each change; readers hold the current one
+
+    def append(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            text = sse_text(event)
+            if self.full or self.bytes + len(text) > self.max_bytes:
+                self.full = True
+                break
+            self.texts.append(text)
+            self.bytes += len(text)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number `after`, then each new one, until the log closes."""
+        at = after + 1
+        while True:
+            changed = self._changed
+            if at < len(self.texts):
+                chunk, at = "".join(self.texts[at:]), len(self.texts)
+                yield chunk
+                continue
+            if self.closed or self.full:
+                return
+            await changed.wait()
+
+
+async def replay(texts: list[str], after: int = -1) -> AsyncIterator[str]:
+    """A finished stream's events after sequence number `after`."""
+    if after + 1 < len(texts):
+        yield "".join(texts[after + 1:])
