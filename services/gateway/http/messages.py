@@ -20,6 +20,7 @@ from services.gateway.clients.request_handle import Delta
 from services.gateway.errors import ApiError, invalid
 from services.gateway.http.body import ClientGone, read_body, watch
 from services.gateway.http.sse import SSEResponse, coalesce
+from services.gateway.openai.chat_tools import decode_for_parsers
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.openai.protocol import parse_body
 from services.gateway.openai.tool_grammar import tool_call_grammar
@@ -107,14 +108,15 @@ async def _create(request: Request, gw: Gateway) -> Response:
     # Before any tokenizer work, as chat does.
     await gw.check_sampling(sampling, req.rule_options(), structured_param)
     prompt_ids = await _prompt_ids(gw, prompt)
+    tool_parser = cfg.tool_call_parser if prompt.plan.parse_tool_calls else None
+    decode_for_parsers(sampling, cfg.reasoning_parser, tool_parser)   # markers that are special tokens
     message_id = new_message_id()
     handles = gw.start_n(message_id, prompt_ids, sampling, 1, prompt_param="messages")
     group = ChoiceGroup(message_id, handles)
     request.state.handle = group
-    tool_parser = cfg.tool_call_parser if prompt.plan.parse_tool_calls else None
     parser = make_output_parser(cfg.reasoning_parser, tool_parser,
                                 allowed_tools=prompt.plan.allowed_names,
-                                id_factory=new_tool_use_id)
+                                id_factory=new_tool_use_id, tools=prompt.tools)
     omit = getattr(req.thinking, "display", None) == "omitted"
     builder = MessageBuilder(message_id, req.model, parser, req.thinking_on, omit)
     aiter(group)
