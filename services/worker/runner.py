@@ -21,6 +21,10 @@ sampled) need step N's tokens before step N+1 samples, but not before it runs it
 inputs come from the device. So submit launches N+1's forward first, then reads N's tokens (the
 GPU is busy with N+1's forward meanwhile), computes the masks on the host, and only then enqueues
 N+1's sampling: no bubble as long as the masks take less time than the forward.
+
+Prompt logprobs (vLLM's prompt_logprobs, prompt_logprobs.py): a prefill step's rows that score
+prompt tokens are reduced to logprob / rank / top-k right behind the forward (logits in slices of
+rows), copied to the host asynchronously and read with the step's tokens in _resolve.
 """
 from __future__ import annotations
 
@@ -320,7 +324,7 @@ class ModelRunner:
                 outputs.append(SampledOutput(rid, [], [], prompt_lps.get(rid)))
                 continue
             lps = [] if tok.logprob is None else [TokenLogprob(tok.token_id, tok.logprob, tok.top or [])]
-            outputs.append(SampledOutput(rid, [tok.token_id], lps, prompt_lps.get(rid) if prompt_lps else None))
+            outputs.append(SampledOutput(rid, [tok.token_id], lps, prompt_lps.get(rid)))
         return StepResult(step.step_id, outputs, step.forward_ns)
 
     def ready(self, step: PendingStep) -> bool:
