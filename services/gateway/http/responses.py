@@ -25,7 +25,7 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.guard.auth import ApiKeys
 from services.gateway.http.body import ClientGone, read_body, watch
 from services.gateway.http.completions import enforce_tool_calls
-from services.gateway.http.responses_log import EventLog, replay, sse_text
+from services.gateway.http.responses_log import EventLog, LogBudget, replay, sse_text
 from services.gateway.http.sse import SSEResponse, coalesce
 from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceGroup
@@ -206,6 +206,7 @@ class _Runs:
                                    cfg.responses_store_ttl_s)
         self.active: dict[tuple[str, str], _Run] = {}
         self.tasks: set[asyncio.Task] = set()   # background responses (a reference keeps each)
+        self.log_budget = LogBudget(cfg.responses_store_max_bytes)   # their event logs, together
         self.keys = ApiKeys(cfg.api_keys, cfg.admin_api_keys)
 
     def owner(self, request: Request) -> str:
@@ -300,7 +301,7 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
         run.logprobs = req.wants_logprobs
         if req.background:
             if req.stream:   # this request follows the run's log; it runs on if the client goes
-                run.log = EventLog()
+                run.log = EventLog(runs.log_budget)
             task = asyncio.create_task(run.run_in_background())
             runs.tasks.add(task)
             task.add_done_callback(runs.tasks.discard)
