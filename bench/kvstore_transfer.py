@@ -7,7 +7,9 @@ every block carries, computed by the writer and verified by the store and the re
   .venv/bin/python bench/kvstore_transfer.py [--blocks 32] [--reps 5] [--out bench/results/kvstore_transfer.json]
 
 Data planes: "shm" (the kvstore's memfd window, services/common/kv_client.py), "grpc" (bytes in
-the messages). NIXL is reported as unavailable when it does not import here (not installed)."""
+the messages). NIXL is not a data plane of the kvstore; when it imports (`--nixl-site DIR`: a
+folder it was pip-installed into with --target) its raw UCX READ and WRITE of the same bytes
+between two processes (registered DRAM, no checksum, no RPC) is measured beside them."""
 from __future__ import annotations
 
 import argparse
@@ -91,12 +93,66 @@ def transfer(addr: str, transport: str, n: int, reps: int) -> dict:
             "get_gbps": max(gets), "get_gbps_median": statistics.median(gets)}
 
 
-def nixl_status() -> str:
-    try:
-        import nixl  # noqa: F401
-    except Exception as exc:  # not installed here: the client never offers it
-        return f"unavailable ({type(exc).__name__}: {exc})"[:200]
-    return "importable, not wired into the kvstore (see docs/kvstore.md)"
+def nixl_role(role: str, d: str, n: int) -> None:
+    """One side of the NIXL probe (a subprocess): the "store" registers n blocks and publishes its
+    agent metadata and descriptors in `d`; the "client" READs and WRITEs them, then says done."""
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+    agent = nixl_agent(role, nixl_agent_config(backends=["UCX"]))
+    buf = np.frombuffer(os.urandom(n * BLOCK), dtype=np.uint8).copy() if role == "store" else np.zeros(n * BLOCK, np.uint8)
+    agent.register_memory([(buf.ctypes.data, n * BLOCK, 0, "")], "DRAM")
+    descs = agent.get_xfer_descs([(buf.ctypes.data + i * BLOCK, BLOCK, 0) for i in range(n)], "DRAM")
+    path = Path(d)
+    if role == "store":
+        for name, data in (("meta", agent.get_agent_metadata()), ("descs", agent.get_serialized_descs(descs)),
+                           ("sum", str(int(buf.sum())).encode())):
+            (path / f"{name}.tmp").write_bytes(data)
+            os.replace(path / f"{name}.tmp", path / name)
+        while not (path / "done").exists():
+            time.sleep(0.02)
+        return
+    while not (path / "sum").exists():
+        time.sleep(0.02)
+    remote_agent = agent.add_remote_agent((path / "meta").read_bytes())
+    remote = agent.deserialize_descs((path / "descs").read_bytes())
+    out = {}
+    for op in ("READ", "WRITE"):
+        rates = []
+        for rep in range(6):
+            t = time.perf_counter()
+            handle = agent.initialize_xfer(op, descs, remote, remote_agent)
+            agent.transfer(handle)
+            while (state := agent.check_xfer_state(handle)) != "DONE":
+                assert state != "ERR", state
+            if rep:
+                rates.append(_gbps(n * BLOCK, time.perf_counter() - t))
+            agent.release_xfer_handle(handle)
+        out[f"{op.lower()}_gbps"] = max(rates)
+        out[f"{op.lower()}_gbps_median"] = statistics.median(rates)
+        if op == "READ":
+            out["read_bytes_verified"] = int(buf.sum()) == int((path / "sum").read_text())
+    (path / "result.json").write_text(json.dumps(out))
+    (path / "done").write_text("1")
+
+
+def nixl_probe(nixl_site: str, n: int) -> dict | str:
+    import tempfile
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (nixl_site, os.environ.get("PYTHONPATH", "")) if p)}
+    check = subprocess.run([sys.executable, "-c", "import nixl._api"], env=env, capture_output=True, text=True)
+    if check.returncode:
+        return f"unavailable: nixl does not import ({check.stderr.strip().splitlines()[-1][:160] if check.stderr else ''})"
+    with tempfile.TemporaryDirectory() as d:
+        me = [sys.executable, __file__, "--blocks", str(n), "--nixl-role"]
+        store = subprocess.Popen([*me, "store", d], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            subprocess.run([*me, "client", d], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=120, check=True)
+            store.wait(30)
+            return {"transport": "UCX, two processes, registered DRAM, no checksum",
+                    **json.loads((Path(d) / "result.json").read_text())}
+        finally:
+            if store.poll() is None:
+                store.kill()
 
 
 def main() -> int:
@@ -104,11 +160,16 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=32, help="blocks per put/get call (2 MiB each)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "kvstore_transfer.json"))
+    p.add_argument("--nixl-site", default="", help="a folder holding nixl (pip install --target); '' = import path")
+    p.add_argument("--nixl-role", nargs=2, metavar=("ROLE", "DIR"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.nixl_role:
+        nixl_role(a.nixl_role[0], a.nixl_role[1], a.blocks)
+        return 0
     total = a.blocks * BLOCK
     result = {"block_bytes": BLOCK, "blocks_per_call": a.blocks, "reps": a.reps,
               "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
-              "floor": floor(total, a.reps), "transports": {}, "nixl": nixl_status()}
+              "floor": floor(total, a.reps), "transports": {}, "nixl": nixl_probe(a.nixl_site, a.blocks)}
     proc, addr = start_store(capacity_gb=2 * total * (a.reps + 1) / (1 << 30) + 0.1)
     try:
         for transport in ("shm", "grpc"):
