@@ -14,10 +14,10 @@ import services  # noqa: F401  (puts the generated code on sys.path)
 from meshllm.v1 import kv_pb2  # noqa: E402
 
 MAX_HASH_BYTES = 64            # the scheduler's chained hash is a 32-byte SHA-256
-MAX_BLOCK_BYTES = 1 << 30      # one block (a 405B model's block is ~16 MiB per rank)
+GRPC_PAYLOAD_BYTES = 32 << 20  # bytes per Put/Get over gRPC (messages are <= 64 MiB)
+MAX_BLOCK_BYTES = GRPC_PAYLOAD_BYTES  # one block must fit one gRPC call (an 8B model's is 2 MiB)
 MAX_LOOKUP_HASHES = 65536      # a 1M-token prompt at block size 16
 MAX_BLOCKS_PER_CALL = 4096
-GRPC_PAYLOAD_BYTES = 32 << 20  # bytes per Put/Get over gRPC (messages are <= 64 MiB)
 
 
 class NamespaceError(ValueError):

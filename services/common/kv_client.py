@@ -116,6 +116,7 @@ class KvClient:
         self._backoff = retry_after_s
         self._window: _Window | None = None
         self._window_retry_at = 0.0
+        self._refusals: set[str] = set()   # reasons already logged (bounded)
         # The blocks of one call are copied and checksummed on several threads (numpy's copy and
         # zlib's crc32 release the GIL).
         self._copies = ThreadPoolExecutor(copy_threads or min(8, os.cpu_count() or 1),
@@ -167,9 +168,13 @@ class KvClient:
                 self._ok()
                 with self._lock:
                     self._drop_window_locked()
-            elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
-                self._ok()
-                log.error("kvstore refused a call: %s", exc.details() if hasattr(exc, "details") else exc)
+            elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                          grpc.StatusCode.RESOURCE_EXHAUSTED):
+                self._ok()   # the store answered: our request is wrong (a bug), logged once per reason
+                details = (exc.details() if hasattr(exc, "details") else str(exc)) or code.name
+                if details not in self._refusals and len(self._refusals) < 32:
+                    self._refusals.add(details)
+                    log.error("kvstore refused a call (%s): %s", code.name, details[:200])
             else:
                 self._lost(exc)
             return None

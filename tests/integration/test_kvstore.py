@@ -133,6 +133,21 @@ def test_bad_blocks_and_bad_requests_are_refused(kvstore):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_refused_call_is_a_miss_logged_once_and_the_store_stays_available(kvstore, caplog):
+    caplog.set_level(logging.INFO, logger="meshllm.kv_client")
+    bad = kv_pb2.KvNamespace(model_id="m", block_size=16, num_layers=1, tp_size=2, tp_rank=2, block_bytes=4096)
+    client = KvClient(kvstore.addr)
+    try:
+        for _ in range(5):
+            assert client.put(bad, [(b"r-1", bytes(4096))]) == 0
+            assert client.lookup(bad, [b"r-1"]) == 0 and client.get(bad, [b"r-1"]) == [None]
+        assert client.available and client.put(NS, [(b"r-2", bytes(BLOCK))]) == 1
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 1 and "tp_rank" in refused[0], refused
+    finally:
+        client.close()
+
+
 def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store_is_used(caplog):
     store = KvStoreProc("--capacity-gb", "0.1").start()
     client = KvClient(store.addr, timeout_s=0.5, max_retry_after_s=1.0)
