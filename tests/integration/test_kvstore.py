@@ -203,6 +203,37 @@ def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store
         store.stop()
 
 
+def test_a_hung_kvstore_costs_one_deadline_then_misses_at_once_and_a_full_one_drops_saves():
+    store = KvStoreProc("--capacity-gb", str(2 * BLOCK / (1 << 30))).start()   # room for 2 blocks
+    client = KvClient(store.addr, timeout_s=0.5, lookup_timeout_s=0.2, max_retry_after_s=1.0)
+    blocks = _blocks(3, b"slow-")
+    try:
+        assert client.put(NS, blocks) == 3                 # full: the LRU makes room
+        assert client.lookup(NS, [h for h, _ in blocks]) == 2   # the chain's head stayed
+        assert client.lookup(NS, [blocks[2][0]]) == 0          # its tail was evicted
+        big = kv_pb2.KvNamespace(model_id="big", block_size=16, num_layers=1, tp_size=1, block_bytes=4 * BLOCK)
+        assert client.put(big, [(b"big-1", bytes(4 * BLOCK))]) == 0   # larger than the store: dropped
+        assert client.available
+        store.proc.send_signal(signal.SIGSTOP)             # alive but silent: a hung store
+        t0 = time.monotonic()
+        assert client.lookup(NS, [blocks[0][0]]) == 0
+        assert time.monotonic() - t0 < 1.0 and not client.available
+        t0 = time.monotonic()
+        for _ in range(20):                                # lost: no more deadlines paid
+            assert client.get(NS, [blocks[0][0]]) == [None] and client.put(NS, blocks[:1]) == 0
+        assert time.monotonic() - t0 < 0.5
+        store.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while client.lookup(NS, [blocks[0][0]]) != 1:
+            assert time.monotonic() < deadline, "the resumed kvstore was not used again"
+            time.sleep(0.1)
+        assert client.available
+    finally:
+        store.proc.send_signal(signal.SIGCONT)
+        client.close()
+        store.stop()
+
+
 def test_disk_spill_survives_a_kill_9(tmp_path):
     spill = str(tmp_path / "spill")
     args = ("--capacity-gb", str(4 * BLOCK / (1 << 30)), "--disk-dir", spill, "--disk-gb", "0.05")
