@@ -43,6 +43,9 @@ def accepts(tokenizers, grammar: str, text: str) -> bool:
                      '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'),
     ("llama3_json", None, '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
                           '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("qwen3_coder", None, "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+                          "</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n12\n"
+                          "</parameter>\n<parameter=b>\n-3\n</parameter>\n</function>\n</tool_call>"),
     ("hermes", "qwen3", '<think>the user wants a sum</think><tool_call>\n'
                         '{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'),
     ("hermes", "deepseek_r1", 'a sum, then</think><tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}'
@@ -90,3 +93,37 @@ def test_tools_that_cannot_be_enforced_are_refused():
     with pytest.raises(ApiError) as err:
         tool_call_grammar(bad, {"x"}, "hermes")
     assert err.value.param == "tools"
+
+
+XML_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                     "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                                     "kind": {"enum": ["hotel", "flat"]},
+                                     "extras": {"type": "array", "items": {"type": "string"}}},
+    "required": ["city", "nights"]}}}]
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("<tool_call>\n<function=book>\n<parameter=city>\nParis\n</parameter>\n<parameter=nights>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", True),
+    ("<tool_call>\n<function=book>\n<parameter=city>\nOslo\n</parameter>\n<parameter=nights>\n2\n</parameter>\n"
+     "<parameter=kind>\nflat\n</parameter>\n<parameter=extras>\n[\"wifi\"]\n</parameter>\n</function>\n"
+     "</tool_call>", True),
+    ("<tool_call>\n<function=book>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", False),
+    ("<tool_call>\n<function=book>\n<parameter=city>\nParis\n</parameter>\n<parameter=nights>\nten\n"
+     "</parameter>\n</function>\n</tool_call>", False),
+    ("<tool_call>\n<function=book>\n<parameter=city>\nAmsterdam-Noord\n</parameter>\n<parameter=nights>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", False),                     # past maxLength
+    ("<tool_call>\n<function=book>\n<parameter=city>\nRome\n</parameter>\n<parameter=nights>\n3\n"
+     "</parameter>\n<parameter=kind>\ntent\n</parameter>\n</function>\n</tool_call>", False),   # not in the enum
+    ("<tool_call>\n<function=book>\n<parameter=city>\n<parameter=x\n</parameter>\n<parameter=nights>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", False),            # a marker inside a value would split it
+    ("<tool_call>\n<function=book>\n<parameter=city>\na <b>\nc\n</parameter>\n<parameter=nights>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", True),             # other markup and newlines are text
+])
+def test_qwen3_coder_calls_are_typed_and_bounded_by_the_schema(tokenizers, text, ok):
+    grammar = tool_call_grammar(XML_TOOLS, {"book"}, "qwen3_coder", parallel=False)
+    assert accepts(tokenizers, grammar, text) is ok
+    if ok:
+        [call] = make_output_parser(None, "qwen3_coder", allowed_tools={"book"}, tools=XML_TOOLS).parse(text).tool_calls
+        jsonschema.validate(json.loads(call.arguments), XML_TOOLS[0]["function"]["parameters"])
