@@ -27,7 +27,7 @@ from services.gateway.http.body import ClientGone, read_body, watch
 from services.gateway.http.completions import enforce_tool_calls
 from services.gateway.http.responses_log import EventLog, LogBudget, replay, sse_text
 from services.gateway.http.sse import SSEResponse, coalesce
-from services.gateway.openai.chat_tools import plan_tools, template_kwargs_json
+from services.gateway.openai.chat_tools import decode_for_parsers, plan_tools, template_kwargs_json
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.openai.logprobs import chat_content
 from services.gateway.openai.protocol import parse_body
@@ -283,6 +283,8 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
             prompt_ids = await gw.tokenize_chat(
                 chat.to_chat_messages(), tools_json=plan.tools_json,
                 chat_template_kwargs_json=template_kwargs_json(chat.chat_template_kwargs))
+            tool_parser = cfg.tool_call_parser if plan.parse_tool_calls else None
+            decode_for_parsers(sampling, cfg.reasoning_parser, tool_parser)   # markers that are special tokens
             handles = gw.start_n(response_id, prompt_ids, sampling, 1, prompt_param="input",
                                  cache_salt=chat.cache_salt or "", priority=chat.priority)
         except ApiError as err:
@@ -290,9 +292,8 @@ def add_responses_routes(app: FastAPI, gw: Gateway) -> None:
             raise
         group = ChoiceGroup(response_id, handles)
         request.state.handle = group
-        tool_parser = cfg.tool_call_parser if plan.parse_tool_calls else None
         parser = make_output_parser(cfg.reasoning_parser, tool_parser,
-                                    allowed_tools=plan.allowed_names)
+                                    allowed_tools=plan.allowed_names, tools=chat.tools)
         builder = ResponseBuilder(_echo(req, response_id, req.model or gw.model_name))
         if req.background:   # until its first engine step
             builder.response["status"] = "queued"
