@@ -75,6 +75,7 @@ _BOUNDS: dict[str, dict] = {
     "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
     "repetition_penalty": {"exclusiveMinimum": 0},
     "n": {"minimum": 1, "maximum": MAX_N}, "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "seed": {"minimum": -(2**63), "maximum": 2**63 - 1},
     "priority": {"minimum": -(2**31), "maximum": 2**31 - 1},
     "cache_salt": {"maxLength": MAX_CACHE_SALT_CHARS, "pattern": "^[A-Za-z0-9._:@/+=-]*$"},
