@@ -91,3 +91,54 @@ def check_kvstore_addr(addr: str) -> None:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--kvstore-addr must be HOST:PORT, got {addr!r}")
+
+
+# ---- the bulk messages, encoded by hand ---------------------------------------------------------
+# protobuf's Python serializer moves big bytes fields at ~0.5-1 GB/s (measured: 40-90 ms for a
+# 32 MiB PutRequest); these build the same wire bytes (equal to SerializeToString, checked in
+# tests/unit/test_kvstore_wire.py) with one join, so gRPC bytes are not bound by protobuf.
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _field(number: int, length: int) -> bytes:
+    """The tag and length of a length-delimited field."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _block(meta: "kv_pb2.KvBlockMeta | None", data) -> list:
+    """The parts of one KvBlock (field numbers as in kv.proto: meta = 1, data = 2)."""
+    if meta is None:
+        return []
+    m = meta.SerializeToString()
+    head = _field(1, len(m)) + m
+    if data is None or not len(data):
+        return [head]
+    return [head + _field(2, len(data)), data]
+
+
+def encode_put_request(ns: "kv_pb2.KvNamespace", blocks: list[tuple["kv_pb2.KvBlockMeta", object]]) -> bytes:
+    """A serialized PutRequest (namespace = 1, blocks = 2) with the bytes of each block inline."""
+    n = ns.SerializeToString()
+    parts = [_field(1, len(n)), n]
+    for meta, data in blocks:
+        body = _block(meta, data)
+        parts += [_field(2, sum(map(len, body))), *body]
+    return b"".join(parts)
+
+
+def encode_get_response(blocks: list[tuple["kv_pb2.KvBlockMeta | None", object]]) -> bytes:
+    """A serialized GetResponse (blocks = 1); (None, None) is a miss (an empty KvBlock)."""
+    parts = []
+    for meta, data in blocks:
+        body = _block(meta, data)
+        parts += [_field(1, sum(map(len, body))), *body]
+    return b"".join(parts)

@@ -113,30 +113,34 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         window = await self._window(request.window, context)
         if window is not None and request.window_offset > len(window):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "window_offset is past the window")
-        blocks = await self._run(self._get, ns_id, request.namespace.block_bytes, list(request.block_hashes),
-                                 window, request.window_offset)
-        hits = sum(1 for b in blocks if b.meta.block_hash)
+        found = await self._run(self._get, ns_id, request.namespace.block_bytes, list(request.block_hashes),
+                                window, request.window_offset)
+        hits = sum(1 for meta, _ in found if meta is not None)
         metrics.GETS.labels("hit").inc(hits)
-        metrics.GETS.labels("miss").inc(len(blocks) - hits)
-        return kv_pb2.GetResponse(blocks=blocks)
+        metrics.GETS.labels("miss").inc(len(found) - hits)
+        if window is not None:
+            return kv_pb2.GetResponse(blocks=[kv_pb2.KvBlock(meta=meta) if meta is not None else kv_pb2.KvBlock()
+                                              for meta, _ in found])
+        return kv_blocks.encode_get_response(found)   # serialized by hand: see kv_blocks
 
     def _get(self, ns_id: bytes, block_bytes: int, hashes: list[bytes], window: memoryview | None,
-             offset: int) -> list["kv_pb2.KvBlock"]:
+             offset: int) -> list[tuple["kv_pb2.KvBlockMeta | None", object]]:
+        """(meta, bytes) of each found block, (None, None) for a miss; with a window, the bytes are
+        copied into it (block i into slot i) and not returned."""
         room = len(window) - offset if window is not None else kv_blocks.GRPC_PAYLOAD_BYTES
         fits = min(len(hashes), room // block_bytes)   # what does not fit is a miss: the client asks again
         found = self.store.get_batch(ns_id, block_bytes, hashes[:fits], self._map(fits))
 
-        def one(i: int) -> "kv_pb2.KvBlock":
+        def one(i: int):
             if i >= fits or found[i] is None:
-                return kv_pb2.KvBlock()
+                return None, None
             data, crc = found[i]
             meta = kv_pb2.KvBlockMeta(block_hash=hashes[i], size=len(data), checksum=crc)
             if window is None:
-                return kv_pb2.KvBlock(meta=meta, data=bytes(data))
-            # Block i has slot i of the window (a miss leaves its slot unused).
-            meta.offset = offset + i * block_bytes
+                return meta, data
+            meta.offset = offset + i * block_bytes   # a miss leaves its slot unused
             copy_into(window[meta.offset:meta.offset + block_bytes], data)   # verified by the store
-            return kv_pb2.KvBlock(meta=meta)
+            return meta, None
 
         return list(self._map(len(hashes))(one, range(len(hashes))))
 
@@ -180,6 +184,20 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         return kv_pb2.FlushResponse(blocks_removed=removed)
 
 
+def _handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
+    """The generated registration, except that a response may also be bytes already serialized
+    (Get's gRPC-bytes answer, kv_blocks.encode_get_response)."""
+    def serialize(message) -> bytes:
+        return message if isinstance(message, bytes) else message.SerializeToString()
+
+    methods = {name: getattr(kv_pb2, f"{name}Request") for name in
+               ("Lookup", "Put", "Get", "OpenArena", "CloseArena", "Stats", "Flush")}
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
+                                                  response_serializer=serialize)
+        for name, req in methods.items()})
+
+
 def build_backend(cfg: KvStoreConfig):
     if cfg.backend == "memory":
         from services.kvstore.memory import MemoryBackend
@@ -199,7 +217,7 @@ async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
     server, health = make_server("kvstore", [SERVICE_NAME])
     copies = ThreadPoolExecutor(cfg.copy_threads, thread_name_prefix="kvstore-copy")
     servicer = KvStoreServicer(store, arena, executor, copies)
-    kv_pb2_grpc.add_KvStoreServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((_handlers(servicer),))
     port = bind(server, cfg.address, cfg.internal_tls.server_credentials())
     await server.start()
     health.set_ready(True)
