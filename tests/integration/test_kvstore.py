@@ -20,6 +20,7 @@ from services.common.devca import write_dev_ca
 from services.common.internal_tls import InternalTls
 from services.common.kv_blocks import checksum, kv_pb2
 from services.common.kv_client import KvClient
+from services.common.kv_saver import KvSaver
 from services.common.ports import free_port
 from services.common.procs import die_with_parent
 from tests.integration.meshproc import ROOT
@@ -146,6 +147,34 @@ def test_a_refused_call_is_a_miss_logged_once_and_the_store_stays_available(kvst
         assert len(refused) == 1 and "tp_rank" in refused[0], refused
     finally:
         client.close()
+
+
+def test_background_saves_are_bounded_and_never_block_the_caller(kvstore):
+    client = KvClient(kvstore.addr)
+    saver = KvSaver(client, max_pending_bytes=4 * BLOCK)
+    try:
+        batches = [_blocks(2, b"bg-%d-" % i) for i in range(12)]
+        t0 = time.monotonic()
+        accepted = [saver.submit(NS, b) for b in batches]
+        assert time.monotonic() - t0 < 0.1              # submitting never waits for the store
+        assert saver.flush(10) and saver.pending_bytes == 0
+        assert saver.saved + saver.dropped == 24 and saver.saved == 2 * sum(accepted) and saver.saved >= 2
+        for ok, b in zip(accepted, batches):            # exactly the accepted batches are stored
+            assert client.lookup(NS, [h for h, _ in b]) == (2 if ok else 0)
+    finally:
+        saver.close()
+        client.close()
+    # With no kvstore at all: still never blocks; everything is dropped.
+    lost = KvClient(f"127.0.0.1:{free_port()}", timeout_s=0.2)
+    saver = KvSaver(lost, max_pending_bytes=64 * BLOCK)
+    try:
+        t0 = time.monotonic()
+        assert all(saver.submit(NS, _blocks(2, b"gone-%d-" % i)) for i in range(5))
+        assert time.monotonic() - t0 < 0.1
+        assert saver.flush(5) and saver.saved == 0 and saver.dropped == 10
+    finally:
+        saver.close()
+        lost.close()
 
 
 def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store_is_used(caplog):

@@ -1,0 +1,76 @@
+"""Saving KV blocks to the kvstore off the caller's critical path (docs/kvstore.md): the engine
+hands over blocks it no longer writes (host copies of full blocks of a finished prefill) and goes
+on; one thread puts them. The queue is bounded in bytes: when the store is slower than the
+engine, new saves are dropped (counted), never queued without bound and never waited for.
+
+    saver = KvSaver(kv_client, max_pending_bytes=256 << 20)
+    saver.submit(ns, [(block_hash, host_bytes), ...])   # False: dropped (queue full or closed)
+    saver.close()                                        # stops after the queued saves, bounded"""
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+
+from services.common.kv_client import DROPPED, TIER, Block, KvClient
+
+
+class KvSaver:
+    def __init__(self, client: KvClient, max_pending_bytes: int = 256 << 20) -> None:
+        if max_pending_bytes <= 0:
+            raise ValueError("max_pending_bytes must be positive")
+        self.client = client
+        self.max_pending_bytes = max_pending_bytes
+        self._queue: collections.deque = collections.deque()
+        self._pending_bytes = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.saved = 0      # blocks the store holds after our puts
+        self.dropped = 0    # blocks refused here (queue full, closed) or by the store
+        self._thread = threading.Thread(target=self._run, name="kv-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, ns, blocks: Sequence[Block]) -> bool:
+        """Queue blocks for saving; the caller must not change their buffers afterwards. False
+        (and nothing queued) when they would push the queue past its bound."""
+        nbytes = sum(memoryview(buf).nbytes for _, buf in blocks)
+        with self._cond:
+            if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.dropped += len(blocks)
+                DROPPED.labels(TIER).inc(len(blocks))
+                return False
+            self._queue.append((ns, list(blocks), nbytes))
+            self._pending_bytes += nbytes
+            self._cond.notify()
+        return True
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                ns, blocks, nbytes = self._queue.popleft()
+            kept = self.client.put(ns, blocks)   # never raises; counts its own drops
+            with self._cond:
+                self._pending_bytes -= nbytes
+                self.saved += kept
+                self.dropped += len(blocks) - kept
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued save was attempted; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._pending_bytes, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """No new saves; the queued ones get `timeout_s` (each put has its own deadline too)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
