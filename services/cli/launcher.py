@@ -85,8 +85,11 @@ class MeshConfig:
             check_kvstore_addr(self.kvstore_addr)
         elif self.kv_tier:  # its flags are checked here, before any process starts
             from services.kvstore.config import KvStoreConfig
-            KvStoreConfig(port=0, capacity_gb=self.kv_tier_capacity_gb, disk_dir=self.kv_tier_disk_dir,
-                          disk_gb=self.kv_tier_disk_gb, backend=self.kv_tier_backend)
+            try:
+                KvStoreConfig(port=0, capacity_gb=self.kv_tier_capacity_gb, disk_dir=self.kv_tier_disk_dir,
+                              disk_gb=self.kv_tier_disk_gb, backend=self.kv_tier_backend)
+            except ValueError as exc:  # the kvstore's flag names, as --kv-tier-* here
+                raise ValueError(str(exc).replace("--", "--kv-tier-")) from None
         if self.data_parallel_size < 1 or self.tokenizer_replicas < 1:
             raise ValueError("--data-parallel-size and --tokenizer-replicas must be >= 1")
         if self.progress_timeout_s <= 0 or self.stop_grace_s <= 0:
