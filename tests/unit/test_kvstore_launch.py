@@ -64,9 +64,9 @@ def test_an_external_kvstore_is_used_and_none_started(smollm2_dir, cleanup):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--kv-tier-capacity-gb", "0"), "capacity"),
-    (("--kv-tier-disk-dir", "/tmp/x"), "disk-gb"),
-    (("--kv-tier-backend", "memcached://h:1"), "backend"),
+    (("--kv-tier-capacity-gb", "0"), "--kv-tier-capacity-gb"),
+    (("--kv-tier-disk-dir", "/tmp/x"), "--kv-tier-disk-gb"),
+    (("--kv-tier-backend", "memcached://h:1"), "--kv-tier-backend"),
     (("--kvstore-addr", "nohostport"), "kvstore-addr"),
 ])
 def test_bad_tier_flags_fail_before_anything_starts(smollm2_dir, flags, message):
