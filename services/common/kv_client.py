@@ -205,20 +205,35 @@ class KvClient:
             self._window_retry_at = time.monotonic() + 5.0   # failures retry this often
         resp = self._call(self._stub.OpenArena, kv_pb2.OpenArenaRequest(window_bytes=self.window_bytes),
                           self.lookup_timeout_s)
-        if resp is None or not resp.path or resp.boot_id != _boot_id():
-            return None   # no arena there, none free, or another host: gRPC bytes
+        if resp is None or not resp.path:
+            return None   # unreachable, no arena there, or none free: gRPC bytes
         try:
+            if resp.boot_id != _boot_id():
+                raise OSError("the kvstore runs on another host")
             window = _Window(resp)
         except OSError as exc:
-            log.info("kvstore shared memory not usable here (%s): gRPC bytes", exc)
+            # Another host or container (its /proc is not ours): it will not change, so give the
+            # lease back and ask again only once a minute.
+            self._close_lease(resp.lease_id)
+            with self._lock:
+                self._window_retry_at = time.monotonic() + 60.0
+            log.info("kvstore %s shared memory not usable here (%s): gRPC bytes", self.address, exc)
             return None
         with self._lock:
             if self._window is None:
                 self._window = window
                 log.info("kvstore %s: shared-memory window of %d MiB", self.address, window.size >> 20)
                 return window
+        self._close_lease(resp.lease_id)   # another thread mapped one meanwhile
         window.close()
         return self._window
+
+    def _close_lease(self, lease_id: int) -> None:
+        try:
+            self._stub.CloseArena(kv_pb2.CloseArenaRequest(window=kv_pb2.ShmWindow(lease_id=lease_id)),
+                                  timeout=self.lookup_timeout_s)
+        except grpc.RpcError:
+            pass   # the lease expires on its own
 
     @property
     def transport(self) -> str:
@@ -361,10 +376,7 @@ class KvClient:
         with self._lock:
             window, self._window = self._window, None
         if window is not None:
-            try:
-                self._stub.CloseArena(kv_pb2.CloseArenaRequest(window=window.lease), timeout=self.lookup_timeout_s)
-            except grpc.RpcError:
-                pass
+            self._close_lease(window.lease.lease_id)
             window.close()
         self._channel.close()
         self._copies.shutdown(wait=False)
