@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -287,6 +288,43 @@ def test_disk_spill_survives_a_kill_9(tmp_path):
     finally:
         client.close()
         store.stop()
+
+
+def test_the_kvstore_process_over_a_redis_backend_keeps_nothing_itself(tmp_path):
+    from tests.unit.test_kvstore_store import _free_port, _redis_server
+    port = _free_port()
+    redis_proc = subprocess.Popen([_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no", "--dir", str(tmp_path)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = KvStoreProc("--backend", f"redis://127.0.0.1:{port}/0")
+    client = None
+    try:
+        deadline = time.monotonic() + 10
+        while True:   # redis-server takes a moment to listen
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline and redis_proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+        store.start()
+        client = KvClient(store.addr)
+        blocks = _blocks(3, b"redis-")
+        assert client.put(NS, blocks) == 3
+        assert client.get(NS, [h for h, _ in blocks]) == [d for _, d in blocks]
+        st = client.stats()
+        assert st.backend == "redis" and st.blocks == 3
+        store.kill9()              # the blocks live in Redis: a new kvstore finds them
+        store.start()
+        deadline = time.monotonic() + 10
+        while client.lookup(NS, [h for h, _ in blocks]) != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        if client is not None:
+            client.close()
+        store.stop()
+        redis_proc.kill()
+        redis_proc.wait()
 
 
 def test_internal_mtls_refuses_a_client_without_the_mesh_certificate(tmp_path):
