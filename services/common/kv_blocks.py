@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import zlib
 
-import numpy as np
-
 import services  # noqa: F401  (puts the generated code on sys.path)
 from meshllm.v1 import kv_pb2  # noqa: E402
 
@@ -31,6 +29,7 @@ def checksum(data) -> int:
 
 def copy_into(dst, src) -> None:
     """`dst[:] = src` for bytes-like objects of one length, without holding the GIL."""
+    import numpy as np  # here, not at import: the engines' flag parsing needs none of it
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
@@ -38,6 +37,7 @@ def copy_and_checksum(dst, src) -> int:
     """Copy `src` into `dst` (bytes-like, same length) and return the CRC-32 of what landed in
     `dst`. Both steps release the GIL (numpy's contiguous copy, zlib's crc32), so blocks copied
     on several threads move in parallel."""
+    import numpy as np
     out = np.frombuffer(dst, dtype=np.uint8)
     np.copyto(out, np.frombuffer(src, dtype=np.uint8))
     return zlib.crc32(out) & 0xFFFFFFFF
