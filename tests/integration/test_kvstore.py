@@ -23,7 +23,6 @@ from services.common.kv_blocks import checksum, kv_pb2
 from services.common.kv_client import KvClient
 from services.common.kv_saver import KvSaver
 from services.common.ports import free_port
-from services.common.procs import die_with_parent
 from tests.integration.meshproc import ROOT
 
 import services  # noqa: F401,E402
@@ -44,11 +43,13 @@ class KvStoreProc:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "KvStoreProc":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # No preexec_fn: this may run while client threads hold locks, and Python code between fork
+        # and exec can deadlock on them; the kvstore watches MESHLLM_PARENT_PID instead.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLLM_PARENT_PID": str(os.getpid()), **self.env}
         self.proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--port", str(self.port),
                                       "--shm-window-mb", "8", "--shm-windows", "4", *self.args],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, preexec_fn=die_with_parent)
+                                     text=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
