@@ -36,25 +36,30 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, executor=None, depth=None,
-        tokenizer_path=None, watch=None):
+        tokenizer_path=None, watch=None, spec=None, new_tokens=NEW, prefix_caching=False, max_seqs=8):
     """Drive the runner with the scheduler core, `depth` plans in flight (default: 2 with overlap,
     else 1) in the engine's order (submit N+1, then collect N). Without overlap the runner reads
-    every step's tokens at its submit. `watch(runner)` may wrap the runner's methods to observe it.
+    every step's tokens at its submit. `watch(runner)` may wrap the runner's methods to observe it;
+    `spec` (a SpecConfig) turns speculative decoding on in both the scheduler and the runner.
     -> (outputs, logprobs, scheduler, most unresolved steps)."""
     runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=num_blocks, block_size=BLOCK,
                          tokenizer_path=tokenizer_path)
     info = runner.hello(BLOCK)
+    if spec is not None:
+        from services.worker.spec.decoder import SpecDecoder
+        runner.spec = SpecDecoder(spec)
     if watch is not None:
         watch(runner)
     if executor is not None:
         runner.gpu = executor(runner)
     runner.overlap = overlap
     wired = ProtoRunner(runner)
-    cfg = SchedulerConfig(max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8, block_size=BLOCK,
-                          enable_prefix_caching=False)
+    cfg = SchedulerConfig(max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=max_seqs, block_size=BLOCK,
+                          enable_prefix_caching=prefix_caching,
+                          num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0)
     s = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
     for i, (p, sp) in enumerate(zip(ps, samplings)):
-        s.add_request(Request(f"r{i}", list(p), NEW, sampling=sp, ignore_eos=True))
+        s.add_request(Request(f"r{i}", list(p), new_tokens, sampling=sp, ignore_eos=True))
     outputs: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
     depth = depth or (2 if overlap else 1)
@@ -84,4 +89,5 @@ def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, execut
                     outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         if inflight:
             finish()
+    s.runner = runner   # for tests that read the runner (e.g. its speculative decoding counts)
     return outputs, logprobs, s, max_unresolved

@@ -34,6 +34,7 @@ class MeshConfig:
     kv_cache_memory_gb: float = 1.0
     kv_cache_dtype: str = "auto"           # worker --kv-cache-dtype: auto, fp8, fp8_e4m3
     quantization: str = "none"             # worker --quantization: none, fp8
+    speculative_config: str = ""           # scheduler + worker --speculative-config (JSON; "": off)
     num_kv_blocks: int = 0                 # 0: sized from kv_cache_memory_gb
     chat_template: str | None = None
     embedding_model_dir: str | None = None  # a BERT dir served by an embedder; None: no embeddings
@@ -101,6 +102,8 @@ class MeshConfig:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        from services.common.spec_config import check_served
+        check_served(self.speculative_config, self.tensor_parallel_size, self.model_dir)   # before any process
 
 
 # Services other than the scheduler answer health on the event loop that carries their
@@ -221,7 +224,8 @@ class Mesh:
         c = self.cfg
         suffix = f"-{e.rank}" if e.rank else ""
         engine_args = ["--max-model-len", str(c.max_model_len),
-                       *(["--kvstore-addr", self.kvstore_address] if self.kvstore_address else [])]
+                       *(["--kvstore-addr", self.kvstore_address] if self.kvstore_address else []),
+                       *(["--speculative-config", c.speculative_config] if c.speculative_config else [])]
         worker = self._process("worker", [
             "--model", c.model_dir, "--zmq-addr", e.worker_addr, "--host", "127.0.0.1",
             "--grpc-port", str(e.worker_grpc_port), "--device", self._worker_device(e.rank), "--dtype", c.dtype,

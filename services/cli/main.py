@@ -40,6 +40,10 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                    help="KV cache storage: auto = the model's dtype; fp8 = float8 e4m3, scale 1.0 "
                         "(twice the blocks per byte of bf16; see docs/gpu.md)")
+    p.add_argument("--speculative-config", default="",
+                   help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"suffix\", "
+                        "\"num_speculative_tokens\": K, \"prompt_lookup_min\"/\"prompt_lookup_max\", "
+                        "\"dynamic_k\": [[min_batch, max_batch, K], ...]} (docs/speculative_decoding.md); off by default")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="fp8: FP8 (e4m3) projection weights with per-channel scales computed at load "
                         "(an FP8 checkpoint is served as stored); see docs/gpu.md")
@@ -103,7 +107,8 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                       kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_dtype=a.kv_cache_dtype,
-                      quantization=a.quantization, chat_template=a.chat_template,
+                      quantization=a.quantization, speculative_config=a.speculative_config,
+                      chat_template=a.chat_template,
                       embedding_model_dir=a.embedding_model,
                       reasoning_parser=a.reasoning_parser, tool_call_parser=a.tool_call_parser,
                       num_kv_blocks=a.num_kv_blocks, scheduling_policy=a.scheduling_policy,

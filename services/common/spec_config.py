@@ -137,3 +137,19 @@ def check_draft_tokenizer(target_dir: str, draft_dir: str) -> None:
     if t_vocab != d_vocab or t_added != d_added:
         raise SpecConfigError(f"speculative-config: the draft model {draft_dir} does not share the target's "
                               f"tokenizer ({len(d_vocab)} vs {len(t_vocab)} tokens, or different ids)")
+
+
+def check_served(text: str | None, tensor_parallel_size: int = 1, model_dir: str | None = None) -> SpecConfig | None:
+    """parse_spec_config plus what this release serves: n-gram and suffix proposers, one rank.
+    SpecConfigError (a ValueError) says what is not served."""
+    cfg = parse_spec_config(text)
+    if cfg is None:
+        return None
+    if cfg.method == "draft_model":
+        if model_dir:
+            check_draft_tokenizer(model_dir, cfg.model)
+        raise SpecConfigError("speculative-config: method draft_model is not served yet (ngram and suffix are)")
+    if tensor_parallel_size > 1:
+        raise SpecConfigError("speculative-config: speculative decoding with --tensor-parallel-size > 1 is not "
+                              "served yet (ranks would have to agree on every step's drafts)")
+    return cfg

@@ -30,8 +30,13 @@ class SchedulerServiceConfig:
     progress_timeout_s: float = 30.0  # work pending and no step completed this long: NOT_SERVING
     shutdown_grace_s: float = 20.0    # SIGTERM: in-flight requests get this long, then fail
     kvstore_addr: str = ""            # the secondary KV tier (docs/kvstore.md); not used yet
+    speculative_config: str = ""      # --speculative-config JSON ("": off); budgets draft tokens
+    num_spec_tokens: int = 0          # from it: the most draft tokens per decode step
 
     def __post_init__(self) -> None:
+        from services.common.spec_config import parse_spec_config
+        spec = parse_spec_config(self.speculative_config)     # SpecConfigError (a ValueError) names the field
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not self.worker_addr.startswith(("tcp://", "ipc://")):

@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of identical prompt prefixes (on by default)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan step N+1 while the worker runs step N (on by default)")
+    p.add_argument("--speculative-config", default="",
+                   help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"suffix\", "
+                        "\"num_speculative_tokens\": K, ...} (docs/speculative_decoding.md); off by default")
 
 
 def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
@@ -61,7 +64,8 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
                                       zmq_curve=CurveClientKeys(a.zmq_curve_secret_key, a.zmq_curve_server_key),
                                       engine_id=a.engine_id, metrics_port=a.metrics_port,
                                       health_port=a.health_port, progress_timeout_s=a.progress_timeout_s,
-                                      shutdown_grace_s=a.shutdown_grace_s, kvstore_addr=a.kvstore_addr)
+                                      shutdown_grace_s=a.shutdown_grace_s, kvstore_addr=a.kvstore_addr,
+                                      speculative_config=a.speculative_config)
     except ValueError as exc:
         p.error(str(exc))
 

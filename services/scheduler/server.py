@@ -73,7 +73,8 @@ class Engine:
                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
                                   block_size=self.config.block_size, max_waiting=self.config.max_waiting,
                                   policy=self.config.scheduling_policy,
-                                  enable_prefix_caching=self.config.enable_prefix_caching)
+                                  enable_prefix_caching=self.config.enable_prefix_caching,
+                                  num_spec_tokens=self.config.num_spec_tokens)
             self.info = info
             if self.metrics is None:
                 model_name = self.served_model_name or info.model_name

@@ -43,7 +43,10 @@ def plan_to_proto(plan: StepPlan) -> pb.step.WorkerRequest:
     add = msg.cached_requests.add
     for r in plan.cached_requests:
         # Hot path (every running request, every step): pass only non-empty fields.
-        if r.new_block_ids:
+        if r.num_spec_tokens:
+            add(request_id=r.request_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens, num_spec_tokens=r.num_spec_tokens)
+        elif r.new_block_ids:
             add(request_id=r.request_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens)
         else:

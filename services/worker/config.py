@@ -30,6 +30,7 @@ class WorkerConfig:
     kv_cache_memory_gb: float = 1.0
     kv_cache_dtype: str = "auto"       # KV_CACHE_DTYPES; fp8 halves the bytes per block
     quantization: str = "none"         # QUANTIZATIONS: "fp8" = per-channel FP8 projections (models/fp8.py)
+    speculative_config: str = ""       # --speculative-config JSON ("": off); spec/decoder.py
     num_kv_blocks: int = 0             # 0: size the cache from kv_cache_memory_gb
     block_size: int = 16               # initial block size; WorkerHello may change it
     served_model_name: str = ""        # "": the model directory's name
@@ -65,6 +66,8 @@ class WorkerConfig:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        from services.common.spec_config import check_served
+        check_served(self.speculative_config, self.tensor_parallel_size, self.model)
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in [0, 65535], got {self.grpc_port}")
         if self.max_model_len < 0:

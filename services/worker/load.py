@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from services.common.spec_config import parse_spec_config
+
 from services.worker.config import WorkerConfig
 from services.worker.control import WorkerControlServicer
 from services.worker.engine import LoadFailed, RunnerSource
@@ -45,6 +47,12 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
                          seed_rng=tp.seed_rng if tp is not None else None,
                          tokenizer_path=os.path.join(cfg.model, "tokenizer.json"))
     runner.constraints.warm()   # structured outputs' tokenizer, built in the background now
+    spec = parse_spec_config(cfg.speculative_config)
+    if spec is not None:
+        from services.worker.spec.decoder import SpecDecoder
+        runner.spec = SpecDecoder(spec, cfg.served_model_name)
+        # The CPU's steps are slow and grow with their tokens from the start: a short curve.
+        runner.spec.calibrate(runner, max_tokens=min(512 if device.type == "cuda" else 48, runner.max_num_tokens))
     if cfg.overlap_steps != "auto":
         runner.overlap = cfg.overlap_steps == "on"
     if tp is not None:

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                    help="fp8: e4m3 projection weights with per-output-channel scales, computed at load from "
                         "the checkpoint's weights (an FP8 checkpoint is served as stored whatever this says); "
                         "embedding, lm_head and norms stay in --dtype (docs/gpu.md)")
+    p.add_argument("--speculative-config", default="",
+                   help="speculative decoding, vLLM's JSON (docs/speculative_decoding.md); off by default")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="exact number of KV blocks (overrides the budget)")
     p.add_argument("--block-size", type=int, default=16, help="initial KV block size (WorkerHello may change it)")
     p.add_argument("--served-model-name", default="", help="model name reported to the scheduler")
@@ -78,7 +80,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         return WorkerConfig(model=a.model, zmq_addr=a.zmq_addr, host=a.host, grpc_port=a.grpc_port,
                             device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                             kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_dtype=a.kv_cache_dtype,
-                            quantization=a.quantization,
+                            quantization=a.quantization, speculative_config=a.speculative_config,
                             num_kv_blocks=a.num_kv_blocks,
                             block_size=a.block_size, served_model_name=a.served_model_name,
                             num_threads=a.num_threads, enforce_eager=a.enforce_eager, overlap_steps=a.overlap_steps,

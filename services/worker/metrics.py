@@ -23,6 +23,13 @@ MATCHER_BUILD = Histogram(PREFIX + "worker_structured_matcher_build_seconds",
 GRAMMAR_CACHE = Counter(PREFIX + "worker_structured_grammar_cache_total",
                         "constrained requests whose grammar was already built (hit) or was compiled (miss)",
                         ["model_name", "result"])
+# Speculative decoding (spec/decoder.py): draft tokens verified and accepted, steps that verified any.
+SPEC_DRAFTED = Counter(PREFIX + "worker_spec_draft_tokens_total", "draft tokens verified",
+                       ["model_name", "method"])
+SPEC_ACCEPTED = Counter(PREFIX + "worker_spec_accepted_tokens_total", "draft tokens accepted",
+                        ["model_name", "method"])
+SPEC_STEPS = Counter(PREFIX + "worker_spec_steps_total", "steps that verified draft tokens",
+                     ["model_name", "method"])
 MASK_PER_ROW = Histogram(PREFIX + "worker_structured_mask_seconds_per_row",
                          "host time to compute one constrained row's token mask, averaged over a step",
                          ["model_name"], buckets=STEP_LATENCY_BUCKETS)

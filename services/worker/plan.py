@@ -84,8 +84,9 @@ class CachedRequest:
 
     request_id: str
     new_block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int        # with speculative decoding a lower bound (step.proto)
     num_scheduled_tokens: int
+    num_spec_tokens: int = 0        # draft tokens the worker may verify after this decode token
 
 
 @dataclass(slots=True)
@@ -128,6 +129,7 @@ class SampledOutput:
     token_ids: list[int]            # empty: a prompt chunk short of the prompt's end
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[PromptLogprob] | None = None   # the prompt tokens this step scored
+    num_draft_tokens: int = 0       # speculative decoding: drafts verified (token_ids = accepted + 1)
 
 
 @dataclass(frozen=True, slots=True)

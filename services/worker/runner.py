@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,7 @@ from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, PlanError, Sampled
                                   StepResult, TokenLogprob, WorkerInfo)
 from services.worker import prompt_logprobs
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
+from services.worker.spec.decoder import accepted_prefix
 from services.worker.structured import Constraints, RequestMatcher
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class RequestState:
     # Prompt logprobs: rows at positions < this score the prompt token after them (0: none wanted,
     # or already delivered before a preemption); prompt_len - 1 otherwise (prompt_logprobs.py).
     prompt_lp_end: int = 0
+    spec_pending: bool = False    # its pending token is the end of a verified draft run (host only)
 
     @property
     def num_known(self) -> int:
@@ -74,15 +76,22 @@ class RequestState:
 class _Scheduled:
     state: RequestState
     start: int                    # num_computed_tokens of this step
-    count: int                    # num_scheduled_tokens of this step
+    count: int                    # num_scheduled_tokens of this step (known tokens)
+    budget: int = 0               # speculative decoding: drafts the scheduler made room for
+    drafts: list[int] = field(default_factory=list)   # verified after the known tokens
+
+    @property
+    def n(self) -> int:
+        """Tokens this step runs: the scheduled ones, then the drafts."""
+        return self.count + len(self.drafts)
 
     @property
     def end(self) -> int:
-        return self.start + self.count
+        return self.start + self.n
 
     @property
     def samples(self) -> bool:
-        return self.end == self.state.num_known
+        return self.start + self.count == self.state.num_known
 
 
 @dataclass
@@ -132,6 +141,7 @@ class ModelRunner:
         self._cpu_prev = torch.zeros(0, dtype=torch.long)  # the CPU path's prev_tokens
         self._last_done_ns = 0
         self.graph_capture_s = 0.0                # how long the last start-up capture took
+        self.spec = None                          # spec.decoder.SpecDecoder with --speculative-config
         self.prompt_logprob_slice = prompt_logprobs.SLICE_ROWS   # rows of prompt logits alive at once
         self.allocate_kv_cache(block_size)
 
@@ -240,9 +250,12 @@ class ModelRunner:
             if state is None or rid in finished:
                 raise PlanError(f"unknown request id {rid!r}")
             self._check_blocks(rid, r.new_block_ids)
-            self._check_span(rid, r.num_computed_tokens, r.num_scheduled_tokens, state.num_known,
-                             len(state.block_ids) + len(r.new_block_ids))
-            total += r.num_scheduled_tokens
+            if r.num_spec_tokens < 0:
+                raise PlanError(f"request {rid}: num_spec_tokens {r.num_spec_tokens} must be >= 0")
+            # Accepted drafts put the worker ahead of the plan's count (a lower bound, step.proto).
+            self._check_span(rid, max(r.num_computed_tokens, state.num_computed_tokens), r.num_scheduled_tokens,
+                             state.num_known, len(state.block_ids) + len(r.new_block_ids))
+            total += r.num_scheduled_tokens + r.num_spec_tokens
         if live > self.max_requests:
             raise PlanError(f"{live} live requests exceed the worker's limit of {self.max_requests}")
         if self.gpu is not None and (total > self.gpu.max_tokens or len(seen) > self.gpu.max_seqs):
@@ -255,6 +268,8 @@ class ModelRunner:
         for rid in plan.finished_ids:
             # Unknown ids are fine: a request may finish before the worker ever saw it.
             self.requests.pop(rid, None)
+            if self.spec is not None:
+                self.spec.finish(rid)
         scheduled = []
         for r in plan.new_requests:
             cfg = r.sampling
@@ -265,13 +280,41 @@ class ModelRunner:
             if cfg.structured is not None:
                 state.matcher = self.constraints.start(r.request_id, cfg.structured,
                                                        r.token_ids[len(r.token_ids) - r.num_output_tokens:])
+            if self.spec is not None:
+                self.spec.start(r.request_id, state.token_ids, r.num_output_tokens)
             self.requests[r.request_id] = state
             scheduled.append(_Scheduled(state, r.num_computed_tokens, r.num_scheduled_tokens))
         for r in plan.cached_requests:
             state = self.requests[r.request_id]
             state.block_ids.extend(r.new_block_ids)
-            scheduled.append(_Scheduled(state, r.num_computed_tokens, r.num_scheduled_tokens))
+            start = max(r.num_computed_tokens, state.num_computed_tokens)
+            scheduled.append(_Scheduled(state, start, r.num_scheduled_tokens,
+                                        r.num_spec_tokens if self.spec is not None else 0))
+        if self.spec is not None:
+            self._assign_drafts(scheduled)
         return scheduled
+
+    def _assign_drafts(self, scheduled: list[_Scheduled]) -> None:
+        """Drafts for the decode rows with a budget (their tokens are all on the host: submit read
+        the previous step first), within their block table and the context, cut where a grammar
+        refuses one."""
+        rows, by_id = [], {}
+        for s in scheduled:
+            st = s.state
+            if not s.budget or not s.samples or st.num_pending:
+                continue
+            room = min(s.budget, len(st.block_ids) * self.block_size - s.end, self.model.max_model_len - s.end)
+            if room > 0:
+                rows.append((st.request_id, room))
+                by_id[st.request_id] = s
+        if not rows:
+            return
+        base = sum(s.n for s in scheduled)
+        for rid, drafts in self.spec.drafts(rows, base, len(scheduled)).items():
+            s = by_id[rid]
+            if s.state.matcher is not None:
+                drafts = drafts[:self.constraints.valid_prefix(s.state.matcher, drafts)]
+            s.drafts = drafts
 
     # ---- execution ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -281,6 +324,14 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> PendingStep:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
+        if self.spec is not None and self._unresolved and self._speculates(plan):
+            # A verified run's length is known once read: before this plan is checked against it.
+            try:
+                self._resolve_all()
+            except Exception as exc:  # noqa: BLE001 - as a failed step (collect reports it too)
+                log.exception("step %d failed", plan.step_id)
+                return PendingStep(plan.step_id, [], [], None, t0, result=StepResult.failed(
+                    plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}"))
         try:
             self._validate(plan)
         except PlanError as exc:
@@ -319,17 +370,26 @@ class ModelRunner:
         outputs = []
         for s in step.scheduled:
             rid = s.state.request_id
-            tok = sampled.get(rid)
-            if tok is None:  # a prompt chunk short of the prompt's end
+            toks = sampled.get(rid)
+            if toks is None:  # a prompt chunk short of the prompt's end
                 outputs.append(SampledOutput(rid, [], [], prompt_lps.get(rid)))
                 continue
-            lps = [] if tok.logprob is None else [TokenLogprob(tok.token_id, tok.logprob, tok.top or [])]
-            outputs.append(SampledOutput(rid, [tok.token_id], lps, prompt_lps.get(rid)))
+            lps = [TokenLogprob(t.token_id, t.logprob, t.top or []) for t in toks if t.logprob is not None]
+            outputs.append(SampledOutput(rid, [t.token_id for t in toks], lps, prompt_lps.get(rid), len(s.drafts)))
         return StepResult(step.step_id, outputs, step.forward_ns)
 
     def ready(self, step: PendingStep) -> bool:
         """Would collect(step) return without waiting for the device?"""
         return step.handle is None or step not in self._unresolved or step.handle.ready()
+
+    def _speculates(self, plan: StepPlan) -> bool:
+        """Drafts are proposed from host tokens, and a verified run's pending token sits at no
+        fixed sample row: such rows need the previous step read before this one is built."""
+        for r in plan.cached_requests:
+            st = self.requests.get(r.request_id)
+            if st is not None and st.num_pending and (r.num_spec_tokens or st.spec_pending):
+                return True
+        return False
 
     @staticmethod
     def _needs_host_tokens(sampling_seqs: list[_Scheduled]) -> bool:
@@ -355,14 +415,26 @@ class ModelRunner:
             # Device time of this step without counting the overlap with the one before twice.
             step.forward_ns = now - max(step.t0, self._last_done_ns)
             self._last_done_ns = now
-        for s, tok in zip(step.sampling_seqs, tokens):
+        i = 0
+        for s in step.sampling_seqs:
             st = s.state
-            st.token_ids.append(tok.token_id)
-            st.num_output_tokens += 1
+            toks = tokens[i:i + 1 + len(s.drafts)]
+            i += len(toks)
+            if s.drafts:   # the accepted drafts and the token after them; the KV of the rest is stale
+                a = accepted_prefix(s.drafts, [t.token_id for t in toks])
+                toks = toks[:a + 1]
+                st.num_computed_tokens = s.start + s.count + a
+                self.spec.observe(st.request_id, len(s.drafts), a)
+            st.spec_pending = False
             st.num_pending -= 1
-            if st.matcher is not None:
-                st.matcher.consume(tok.token_id)
-            step.sampled[st.request_id] = tok
+            for tok in toks:
+                st.token_ids.append(tok.token_id)
+                st.num_output_tokens += 1
+                if st.matcher is not None:
+                    st.matcher.consume(tok.token_id)
+            if self.spec is not None:
+                self.spec.extend(st.request_id, [t.token_id for t in toks])
+            step.sampled[st.request_id] = toks
 
     def _resolve_all(self) -> None:
         while self._unresolved:
@@ -371,7 +443,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, step_id: int, scheduled: list[_Scheduled], t0: int) -> PendingStep:
         # Single-token sequences first: attention batches them in one call (attention.py).
-        order = sorted(scheduled, key=lambda s: s.count != 1)
+        order = sorted(scheduled, key=lambda s: s.n != 1)
         ids: list[int] = []
         positions: list[int] = []
         src: list[int] = []           # -1: the host id; r >= 0: row r of the previous samples
@@ -388,7 +460,11 @@ class ModelRunner:
                                                st.prompt_lp_end, st.sampling.prompt_logprobs)
                 if span is not None:
                     spans.append(span)
-            if s.end <= host:
+            if s.drafts:   # known tokens (all on the host, see _speculates), then the drafts
+                ids.extend(st.token_ids[s.start:s.start + s.count])
+                ids.extend(s.drafts)
+                src.extend([-1] * s.n)
+            elif s.end <= host:
                 ids.extend(st.token_ids[s.start:s.end])
                 src.extend([-1] * s.count)
             else:  # the last scheduled token is pending (validated: end <= num_known)
@@ -398,9 +474,9 @@ class ModelRunner:
                 src.append(st.pending_row)
                 any_src = True
             positions.extend(range(s.start, s.end))
-            seqs.append(SeqSchedule(st.block_ids, s.start, s.count))
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
+            seqs.append(SeqSchedule(st.block_ids, s.start, s.n))
+            if s.samples:   # the last known token's row, then one row per draft
+                sample_rows.extend(range(len(ids) - 1 - len(s.drafts), len(ids)))
                 sampling_seqs.append(s)
         if self.gpu is not None:
             logits, hidden = self.gpu.run(ids, positions, seqs, sample_rows, src if any_src else None,
@@ -418,14 +494,29 @@ class ModelRunner:
             s.state.num_computed_tokens = s.end
         handle = None
         if sample_rows:
-            rows = [SampleRow(s.state.sampling, s.state.token_ids, s.state.num_output_tokens + s.state.num_pending,
-                              s.state.base_seed, position=s.state.num_known) for s in sampling_seqs]
-            bitmask = self.constraints.prepare(rows, [s.state.matcher for s in sampling_seqs])
-            handle = sample_async(logits, rows, self.model.cfg.eos_token_ids, out=self._prev_out(len(rows)),
-                                  bitmask=bitmask)
-            for j, s in enumerate(sampling_seqs):
-                s.state.num_pending += 1
-                s.state.pending_row = j
+            rows, matchers = [], []
+            # A step with drafts samples more rows than the prev-token buffer holds and a run's
+            # last token sits at no fixed row: its tokens go to the host only, and the next step
+            # reads them before it is built (_speculates).
+            verifies = any(s.drafts for s in sampling_seqs)
+            for s in sampling_seqs:
+                st = s.state
+                done = st.num_output_tokens + st.num_pending
+                st.pending_row = -1 if verifies else len(rows)
+                st.spec_pending = verifies
+                # A draft row samples as plain decoding would at its position: the drafts before
+                # it are its history (penalties) and its grammar prefix (masks).
+                for j in range(len(s.drafts) + 1):
+                    prefix = s.drafts[:j]
+                    rows.append(SampleRow(st.sampling, st.token_ids + prefix if j else st.token_ids, done + j,
+                                          st.base_seed, position=st.num_known + j, draft_prefix=prefix))
+                    matchers.append(st.matcher)
+                st.num_pending += 1
+            bitmask = self.constraints.prepare(rows, matchers)
+            handle = sample_async(logits, rows, self.model.cfg.eos_token_ids,
+                                  out=None if verifies else self._prev_out(len(rows)), bitmask=bitmask)
+            if verifies:
+                self.spec.stepped()
         step = PendingStep(step_id, scheduled, sampling_seqs, handle, t0, prompt_handle=prompt_handle)
         self._unresolved.append(step)
         return step

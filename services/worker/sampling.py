@@ -52,6 +52,7 @@ class SampleRow:
     position: int | None = None  # index of the token being drawn (None: len(token_ids))
     mask_row: int = -1           # its row of the step's structured-output bitmask; -1: unconstrained
     grammar_stops: bool = False  # that mask allows only stop tokens: min_tokens does not mask them
+    draft_prefix: list[int] | tuple = ()   # speculative decoding: drafts drawn before this row's token
 
     @property
     def draw_position(self) -> int:

@@ -228,7 +228,9 @@ class Constraints:
         live = [(mm, r) for mm, r in live if mm is not None]
         bitmask = torch.zeros(k, self.width, dtype=torch.int32)   # [k, W]
         words = bitmask.numpy().view(np.uint32)                  # the same memory, bit 31 unsigned
-        if len(live) >= PARALLEL_MIN_ROWS and self._row_ms * len(live) >= PARALLEL_MIN_MS:
+        if any(row.draft_prefix for row in rows):
+            self._fill_with_drafts(rows, matchers, bitmask)
+        elif len(live) >= PARALLEL_MIN_ROWS and self._row_ms * len(live) >= PARALLEL_MIN_MS:
             lt.fill_next_token_bitmask_par(self._parallel_executor(), live, bitmask)
         elif live:
             t_fill = time.perf_counter()
@@ -253,6 +255,33 @@ class Constraints:
         self.mask_s += took
         self._mask_hist.observe(took / k)     # one observation per step, never per token
         return bitmask
+
+    @staticmethod
+    def _fill_with_drafts(rows, matchers, bitmask) -> None:
+        """Masks of a step with draft rows: a request's rows come in draft order, each after the
+        matcher has consumed the drafts before it; then the matcher is rolled back (the tokens it
+        keeps are the ones the row emits, fed at resolve)."""
+        import llguidance.torch as lt
+        consumed: dict[int, tuple] = {}          # id(RequestMatcher) -> (matcher, drafts consumed)
+        for row, m in zip(rows, matchers):
+            if m is None or m.failed or m.matcher is None:
+                continue
+            mm = m.matcher
+            n = consumed.get(id(m), (mm, 0))[1]
+            for t in row.draft_prefix[n:]:
+                mm.consume_token(t)             # valid: drafts were cut at the grammar's first refusal
+            consumed[id(m)] = (mm, len(row.draft_prefix))
+            lt.fill_next_token_bitmask(mm, bitmask, row.mask_row)
+        for mm, n in consumed.values():
+            if n:
+                mm.rollback(n)
+
+    def valid_prefix(self, m: RequestMatcher, drafts: list[int]) -> int:
+        """How many leading drafts the request's grammar accepts (a draft that breaks it is cut)."""
+        mm = m.matcher
+        if mm is None or m.failed or not drafts:
+            return 0 if m.failed or mm is None else len(drafts)
+        return mm.validate_tokens(drafts)
 
     def _bits(self, token_ids) -> np.ndarray:
         bits = np.zeros(self.width, dtype=np.uint32)

@@ -37,6 +37,10 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens sampled by planned steps whose results have not arrived (async scheduling).
     num_inflight_tokens: int = 0
+    # Speculative decoding: draft slots of planned steps whose results have not arrived (how far
+    # the worker may be past num_computed_tokens), and budgeted steps in a row it drafted none.
+    spec_slack: int = 0
+    spec_declined: int = 0
     num_cached_prompt_tokens: int = 0         # prefix-cache hit at first admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -26,6 +26,9 @@ from services.scheduler.core.types import (CachedRequestPlan, NewRequestPlan, Re
 from services.scheduler.core.waiting_queue import make_waiting_queue
 
 
+SPEC_PROBE_AFTER = 4   # budgeted decode steps without drafts before a request gets one probe slot
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int
@@ -35,11 +38,14 @@ class SchedulerConfig:
     max_waiting: int = 65536           # bound on queued requests (admission control)
     policy: str = "fcfs"               # "fcfs" or "priority"
     enable_prefix_caching: bool = True
+    num_spec_tokens: int = 0           # speculative decoding: most draft tokens per decode step (0: off)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
 
@@ -149,6 +155,7 @@ class Scheduler:
         victim.num_blocks_sent = 0
         victim.num_computed_tokens = 0
         victim.num_inflight_tokens = 0
+        victim.spec_slack = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         if not victim.output_token_ids:
@@ -159,11 +166,27 @@ class Scheduler:
             victim.worker_has_state = False
         self.waiting.requeue(victim)
 
+    def _spec_budget(self, req: Request, num_new: int, budget: int) -> int:
+        """Draft tokens the worker may verify after this decode token: none for prompt chunks;
+        num_spec_tokens, but once the worker drafted none for SPEC_PROBE_AFTER budgeted steps in
+        a row (nothing to propose, or not worth it), only every SPEC_PROBE_AFTER-th step (so an
+        engine whose speculation does not pay keeps a quarter of the slots); within max_tokens,
+        the context and this step's budget."""
+        k_max = self.config.num_spec_tokens
+        if not k_max or num_new != 1 or req.num_computed_tokens + 1 != req.num_planned_tokens:
+            return 0
+        end = req.num_computed_tokens + 1 + req.spec_slack          # a bound on the worker's position
+        out_room = req.max_tokens - len(req.output_token_ids) - req.num_inflight_tokens - 1
+        if req.spec_declined >= SPEC_PROBE_AFTER and req.spec_declined % SPEC_PROBE_AFTER:
+            req.spec_declined += 1   # a step without a budget counts towards the next probe
+            return 0
+        return max(0, min(k_max, out_room, self.config.max_model_len - end, budget - 1))
+
     def schedule(self) -> StepPlan:
         self._step_id += 1
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: dict[int, tuple[Request, int]] = {}   # id(req) -> (req, tokens this step)
+        scheduled: dict[int, tuple[Request, int, int]] = {}   # id(req) -> (req, tokens, draft budget)
         preempted = False
 
         # Running requests first, in admission order.
@@ -175,21 +198,24 @@ class Scheduler:
             if num_new <= 0 or not self._may_grow(req):
                 i += 1
                 continue
-            while not self.kv.allocate(req, req.num_computed_tokens + num_new):
+            spec = self._spec_budget(req, num_new, budget)
+            if spec and not self.kv.allocate(req, req.num_computed_tokens + num_new + spec + req.spec_slack):
+                spec = 0   # no room for lookahead slots: a plain decode step
+            while not self.kv.allocate(req, req.num_computed_tokens + num_new + req.spec_slack):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1  # an earlier request leaves the list: `req` moves down one
                 undone = scheduled.pop(id(victim), None)
                 if undone is not None:
-                    budget += undone[1]
+                    budget += undone[1] + undone[2]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue  # `req` itself was preempted; `i` already points at the next one
-            scheduled[id(req)] = (req, num_new)
-            budget -= num_new
+            scheduled[id(req)] = (req, num_new, spec)
+            budget -= num_new + spec
             i += 1
 
         # Then waiting requests while budgets last (never in a step that had to preempt).
@@ -211,12 +237,12 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[id(req)] = (req, num_new)
+            scheduled[id(req)] = (req, num_new, 0)
             budget -= num_new
 
         plan = StepPlan(self._step_id, finished_ids=self._pending_finished_ids)
         self._pending_finished_ids = []
-        for req, num_new in scheduled.values():
+        for req, num_new, spec in scheduled.values():
             if not req.worker_has_state:
                 plan.new_requests.append(NewRequestPlan(
                     req.request_id, list(req.all_token_ids), list(req.block_ids), req.sampling,
@@ -224,7 +250,8 @@ class Scheduler:
                 req.worker_has_state = True
             else:
                 plan.cached_requests.append(CachedRequestPlan(
-                    req.request_id, req.block_ids[req.num_blocks_sent:], req.num_computed_tokens, num_new))
+                    req.request_id, req.block_ids[req.num_blocks_sent:], req.num_computed_tokens, num_new, spec))
+                req.spec_slack += spec
             req.num_blocks_sent = len(req.block_ids)
             plan.incarnations[req.request_id] = (req.arrival_seq, req.num_preemptions)
             req.num_computed_tokens += num_new
@@ -252,11 +279,28 @@ class Scheduler:
                                              f"the worker failed the step: {result.error}",
                                              num_prompt_tokens=len(req.prompt_token_ids)))
                 continue
+            s = sampled.get(rid)
+            spec = getattr(r, "num_spec_tokens", 0)
+            if spec:   # speculative decoding: accepted drafts were computed too
+                req.spec_slack -= spec
+                if s is not None and s.token_ids:
+                    req.spec_declined = 0 if s.num_draft_tokens else req.spec_declined + 1
+                    accepted = len(s.token_ids) - 1
+                    req.num_computed_tokens += accepted
+                    out = self._append_tokens(req, s, finish=False)
+                    # Only blocks made of accepted tokens are cached (a rejected draft's slot is
+                    # past the last token and is written again).
+                    end = min(r.num_computed_tokens + 1 + accepted, req.num_tokens - 1)
+                    if end // block_size > req.num_cached_blocks:
+                        self.kv.cache_computed_blocks(req, end)
+                    outputs.append(out)
+                    if out.finish_reason is not None:
+                        self._finish(req)
+                    continue
             # Cache the blocks this step filled before a stop can release them.
             computed_end = r.num_computed_tokens + r.num_scheduled_tokens
             if computed_end // block_size > req.num_cached_blocks:
                 self.kv.cache_computed_blocks(req, computed_end)
-            s = sampled.get(rid)
             if s is None:
                 continue
             if req.wants_prompt_logprobs and s.prompt_logprobs:
@@ -265,14 +309,16 @@ class Scheduler:
                 outputs.append(self._append_tokens(req, s))
         return outputs
 
-    def _append_tokens(self, req: Request, s) -> RequestOutput:
+    def _append_tokens(self, req: Request, s, finish: bool = True) -> RequestOutput:
+        """Append one step's tokens (one, or a speculative step's accepted drafts and one more),
+        up to the first that stops the request; the rest are dropped."""
         new_ids: list[int] = []
         reason = None
         stop_id = -1
         eos, max_len = self.eos_token_ids, self.config.max_model_len
+        if req.num_inflight_tokens:
+            req.num_inflight_tokens -= 1   # one sampled token was counted in flight for the step
         for tok in s.token_ids:
-            if req.num_inflight_tokens:
-                req.num_inflight_tokens -= 1
             req.append_output(tok)
             new_ids.append(tok)
             reason = req.check_stop(tok, eos, max_len)
@@ -285,7 +331,7 @@ class Scheduler:
                             num_cached_tokens=req.num_cached_prompt_tokens, stop_token_id=stop_id)
         if req.prompt_logprobs:   # the first token: the prompt's logprobs go with it, once
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
-        if reason is not None:
+        if reason is not None and finish:
             self._finish(req)
         return out
 

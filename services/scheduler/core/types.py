@@ -28,6 +28,7 @@ class CachedRequestPlan:
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    num_spec_tokens: int = 0      # draft tokens the worker may verify after this decode token
 
 
 @dataclass
@@ -42,7 +43,7 @@ class StepPlan:
     @property
     def num_scheduled_tokens(self) -> int:
         return (sum(r.num_scheduled_tokens for r in self.new_requests)
-                + sum(r.num_scheduled_tokens for r in self.cached_requests))
+                + sum(r.num_scheduled_tokens + r.num_spec_tokens for r in self.cached_requests))
 
     @property
     def scheduled_ids(self) -> list[str]:
@@ -61,6 +62,7 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: Any = None          # opaque, passed through to the output
     prompt_logprobs: Any = ()     # opaque, gathered per request until its first token
+    num_draft_tokens: int = 0     # speculative decoding: drafts verified (token_ids: accepted + 1)
 
 
 @dataclass

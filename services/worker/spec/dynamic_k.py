@@ -42,36 +42,37 @@ class StepCostModel:
         return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
 
 
-def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]]) -> list[int]:
+def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]],
+             plain: StepCostModel | None = None) -> list[int]:
     """requests: (acceptance rate, drafts available) per decoding request; base_tokens: the step's
-    tokens without drafts. -> K per request (0: no speculation for it this step)."""
+    tokens without drafts; `cost`: the time of a step that verifies drafts, `plain` (default:
+    the same) of one that does not (on a GPU a plain decode step replays a CUDA graph).
+    -> K per request (0: no speculation for it this step)."""
     ks = [0] * len(requests)
     emitted = float(len(requests))
     tokens = base_tokens
-    best = emitted / cost.cost(tokens)
+    best, best_ks = emitted / cost.cost(tokens), list(ks)
     heap = [(-a, i) for i, (a, avail) in enumerate(requests) if avail > 0 and a > 0]
     heapq.heapify(heap)
-    pending: list[tuple[float, int]] = []   # a trial that did not pay yet (costs can be step-shaped)
-    while heap:
+    since_best = 0
+    # Hand out drafts by value; keep the allocation with the best rate seen (the cost curve may
+    # have steps, so a few more drafts can pay where one does not: look up to 16 ahead).
+    while heap and since_best < 16:
         neg_gain, i = heapq.heappop(heap)
-        gain = -neg_gain
-        trial = emitted + gain + sum(-g for g, _ in pending)
-        rate = trial / cost.cost(tokens + 1 + len(pending))
-        pending.append((neg_gain, i))
+        ks[i] += 1
+        emitted -= neg_gain
+        tokens += 1
+        a, avail = requests[i]
+        if ks[i] < avail:
+            heapq.heappush(heap, (-(a ** (ks[i] + 1)), i))
+        rate = emitted / cost.cost(tokens)
         if rate > best:
-            for g, j in pending:
-                ks[j] += 1
-                emitted += -g
-                tokens += 1
-                a, avail = requests[j]
-                if ks[j] < avail:
-                    heapq.heappush(heap, (-(a ** (ks[j] + 1)), j))
-            pending = []
-            best = rate
-        elif len(pending) >= 8:   # eight more tokens did not pay: stop looking
-            break
-    plain = len(requests) / cost.cost(base_tokens)
-    if best < MIN_GAIN * plain:
+            best, best_ks, since_best = rate, list(ks), 0
+        else:
+            since_best += 1
+    ks = best_ks
+    plain_rate = len(requests) / (plain or cost).cost(base_tokens)
+    if best < MIN_GAIN * plain_rate:
         return [0] * len(requests)
     return ks
 

@@ -1,0 +1,163 @@
+"""Speculative decoding in the runner: a proposer per request, fed every token the request gets;
+per step, the drafts of the decode rows the scheduler gave a budget (how many: dynamic_k.py, or
+the config's dynamic_k table); after the step, the accepted prefix of each row's drafts.
+
+Verification (verify.py): every draft position is sampled by the ordinary sampler with the seed
+of its position, so a row emits its accepted drafts plus one token, exactly the tokens plain
+decoding would have drawn (greedy, seeded, penalties, logit_bias and grammar masks included).
+
+Proposals need the previous step's token on the host: a step with drafts reads the previous
+step's tokens before its forward (one host/device sync); the cost model decides whether that
+pays. A request whose grammar (structured output) refuses a draft has its drafts cut there."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.common.spec_config import SpecConfig
+from services.worker.metrics import SPEC_ACCEPTED, SPEC_DRAFTED, SPEC_STEPS
+from services.worker.spec.dynamic_k import AcceptanceTracker, StepCostModel, choose_k
+from services.worker.spec.ngram import NgramProposer
+from services.worker.spec.suffix import SuffixCache, SuffixProposer
+
+log = logging.getLogger(__name__)
+
+
+def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions (sampled[j] is the
+    token after draft j - 1; sampled has one more entry than drafts)."""
+    a = 0
+    while a < len(drafts) and sampled[a] == drafts[a]:
+        a += 1
+    return a
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpecConfig, model_name: str = "") -> None:
+        if cfg.method == "draft_model":
+            raise ValueError("speculative-config: method draft_model is not served yet (use ngram or suffix)")
+        self.cfg = cfg
+        self.cache = (SuffixCache(cfg.suffix_max_depth, cfg.suffix_cache_outputs)
+                      if cfg.method == "suffix" else None)
+        self.proposers: dict[str, object] = {}
+        self.acceptance = AcceptanceTracker(prior=0.5)
+        # Set by calibrate(); until then every proposal is verified.
+        self.spec_cost: StepCostModel | None = None
+        self.plain_cost: StepCostModel | None = None
+        labels = (model_name, cfg.method)
+        self._drafted, self._accepted = SPEC_DRAFTED.labels(*labels), SPEC_ACCEPTED.labels(*labels)
+        self._steps = SPEC_STEPS.labels(*labels)
+        self.drafted = self.accepted = 0
+
+    # ---- proposers ------------------------------------------------------------------------
+    def start(self, request_id: str, token_ids: list[int], num_output_tokens: int) -> None:
+        if self.cfg.method == "ngram":
+            self.proposers[request_id] = NgramProposer(self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max,
+                                                       token_ids)
+        else:
+            p = SuffixProposer(self.cfg.suffix_max_depth, self.cfg.suffix_min_prob, self.cache,
+                               token_ids[:len(token_ids) - num_output_tokens])
+            p.extend(token_ids[len(token_ids) - num_output_tokens:])
+            self.proposers[request_id] = p
+
+    def extend(self, request_id: str, tokens: list[int]) -> None:
+        p = self.proposers.get(request_id)
+        if p is not None:
+            p.extend(tokens)
+
+    def finish(self, request_id: str) -> None:
+        p = self.proposers.pop(request_id, None)
+        if isinstance(p, SuffixProposer):
+            p.finish()
+        self.acceptance.forget(request_id)
+
+    # ---- per step ---------------------------------------------------------------------------
+    def drafts(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> dict[str, list[int]]:
+        """rows: (request id, most drafts allowed) of the step's decode rows with a budget;
+        base_tokens: the step's tokens without drafts; batch: its sequences -> drafts per row."""
+        proposals = {rid: self.proposers[rid].propose(room) for rid, room in rows
+                     if room > 0 and rid in self.proposers}
+        proposals = {rid: p for rid, p in proposals.items() if p}
+        if not proposals:
+            return {}
+        fixed = self.cfg.fixed_k(batch)
+        if fixed is not None:
+            return {rid: p[:fixed] for rid, p in proposals.items() if fixed}
+        if self.spec_cost is None:        # not calibrated: every proposal is verified
+            return proposals
+        ids = list(proposals)
+        ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), len(proposals[r])) for r in ids],
+                      plain=self.plain_cost)
+        return {rid: proposals[rid][:k] for rid, k in zip(ids, ks) if k}
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        self.acceptance.update(request_id, drafted, accepted)
+        self.drafted += drafted
+        self.accepted += accepted
+        self._drafted.inc(drafted)
+        self._accepted.inc(accepted)
+
+    def stepped(self) -> None:
+        self._steps.inc()
+
+    # ---- cost model -------------------------------------------------------------------------
+    def calibrate(self, runner, max_tokens: int = 512) -> None:
+        """Time the runner's forward at start-up (no request is running: the KV cache is free):
+        plain decode steps of B one-token sequences (CUDA graphs on a GPU) and verify-shaped
+        steps of B sequences x 2 and x (K + 1) tokens (eager), for the cost model. On the CPU both
+        kinds run the same forward: one curve of all the points."""
+        t0 = time.perf_counter()
+        plain, spec = [], []
+        q = self.cfg.num_speculative_tokens + 1
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * q <= max_tokens]
+        for b in sizes:
+            plain.append((b, _time_step(runner, b, 1)))
+            spec.append((b * 2, _time_step(runner, b, 2)))
+            spec.append((b * q, _time_step(runner, b, q)))
+        if runner.gpu is None:
+            spec += plain
+        spec = _monotone(spec)
+        self.plain_cost, self.spec_cost = StepCostModel(_monotone(plain)), StepCostModel(spec)
+        log.info("speculative decoding (%s, up to %d drafts): step cost calibrated in %.2fs: plain %s, "
+                 "verify %s", self.cfg.method, self.cfg.num_speculative_tokens, time.perf_counter() - t0,
+                 [(t, round(s * 1e3, 2)) for t, s in plain], [(t, round(s * 1e3, 2)) for t, s in spec])
+
+
+def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """One point per token count (the fastest), never cheaper with more tokens (timing noise)."""
+    best: dict[int, float] = {}
+    for t, s in points:
+        best[t] = min(s, best.get(t, s))
+    out, floor = [], 0.0
+    for t in sorted(best):
+        floor = max(floor, best[t])
+        out.append((t, floor))
+    return out
+
+
+@torch.inference_mode()
+def _time_step(runner, num_seqs: int, tokens_each: int, reps: int = 2) -> float:
+    """Median seconds of one forward + logits of `num_seqs` sequences of `tokens_each` tokens at
+    positions 0.. (the first blocks for all: garbage KV there is overwritten before any request
+    reads it)."""
+    from services.worker.attention import SeqSchedule
+    ids = [0] * (num_seqs * tokens_each)
+    positions = list(range(tokens_each)) * num_seqs
+    table = list(range(-(-tokens_each // runner.block_size)))
+    seqs = [SeqSchedule(table, 0, tokens_each) for _ in range(num_seqs)]
+    rows = list(range(tokens_each - 1, len(ids), tokens_each)) if tokens_each == 1 else list(range(len(ids)))
+    times = []
+    for _ in range(reps + 1):
+        if runner.gpu is not None:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        if runner.gpu is not None:
+            runner.gpu.run(ids, positions, seqs, rows, None)
+            torch.cuda.synchronize()
+        else:
+            runner._forward_reference(ids, positions, seqs, rows, None)
+        times.append(time.perf_counter() - t)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
