@@ -1,0 +1,173 @@
+"""Speculative decoding, side by side in one run: output tok/s of the worker driven in-process by the
+real scheduler core (async scheduling: two steps in flight, as the engine runs them), speculation
+off vs each method, on an input-grounded workload (repeat / edit / continue a given text), and
+on a random-weight model where nothing is accepted (dynamic K must turn itself off).
+
+  .venv/bin/python bench/spec_decode.py --model-dir DIR [--device cpu|cuda] [--concurrency 1 32]
+  python3 bench/spec_decode.py --gguf FILE --device cuda ...     (SmolLM2 on the GPU, from the GGUF)
+  python3 bench/spec_decode.py --random-8b --device cuda --concurrency 256 --methods off,ngram
+
+Greedy outputs with speculation must equal those without (checked). Writes --out (JSON)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from collections import deque
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from services.common import pb  # noqa: E402
+from services.common.spec_config import parse_spec_config  # noqa: E402
+from services.scheduler import wire  # noqa: E402
+from services.scheduler.core import Request, Scheduler, SchedulerConfig  # noqa: E402
+from services.worker.runner import ModelRunner  # noqa: E402
+from services.worker.spec.decoder import SpecDecoder  # noqa: E402
+from services.worker.wire import ProtoRunner  # noqa: E402
+
+TEXTS = [
+    "The printing press, invented by Johannes Gutenberg around 1440, allowed books to be produced "
+    "quickly and cheaply. Within decades, printing shops had spread across Europe, and ideas moved "
+    "faster than ever before.",
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n"
+    "            out.append(a[i]); i += 1\n        else:\n            out.append(b[j]); j += 1\n"
+    "    return out + a[i:] + b[j:]\n",
+    "Dear team, the meeting on Thursday is moved to Friday at ten. Please bring the quarterly report, "
+    "the budget draft and your notes from the customer visit. Thanks, Anna.",
+]
+TASKS = ["Repeat the following text exactly:\n{}", "Fix any typos and return the full text:\n{}",
+         "Copy this text, word for word:\n{}"]
+METHODS = {"off": None,
+           "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+           "suffix": {"method": "suffix", "num_speculative_tokens": 4}}
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
+
+
+def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurrency: int, spec_tokens: int,
+          eos: frozenset[int], block_size: int) -> tuple[dict[str, list[int]], float, int]:
+    """All prompts through the scheduler core, `concurrency` at once -> (outputs, seconds, steps)."""
+    info = runner.hello(block_size)
+    cfg = SchedulerConfig(max_model_len=runner.model.max_model_len, max_num_seqs=concurrency,
+                          max_num_batched_tokens=max(2048, concurrency * 8), block_size=block_size,
+                          num_spec_tokens=spec_tokens)
+    s = Scheduler(cfg, info.num_kv_blocks, eos, info.vocab_size)
+    for i, p in enumerate(prompts):
+        s.add_request(Request(f"r{i}", list(p), max_new, sampling=pb.common.SamplingParams(max_tokens=max_new)))
+    wired = ProtoRunner(runner)
+    outputs: dict[str, list[int]] = {}
+    inflight: deque = deque()
+    steps = 0
+    t0 = time.perf_counter()
+    while inflight or s.has_work():
+        if len(inflight) < 2 and s.has_work():
+            plan = s.schedule()
+            if not plan.is_empty():
+                inflight.append((plan, wired.submit(wire.plan_to_proto(plan).plan)))
+                steps += 1
+                if len(inflight) < 2:
+                    continue
+            else:
+                for out in s.take_pending_outputs():
+                    outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if inflight:
+            plan, handle = inflight.popleft()
+            res = wired.collect(handle)
+            if res.HasField("error"):
+                raise RuntimeError(res.error.message)
+            for out in s.update(plan, wire.result_from_proto(res)):
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    if runner.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return outputs, time.perf_counter() - t0, steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir")
+    ap.add_argument("--gguf")
+    ap.add_argument("--random-8b", action="store_true", help="Llama-3.1-8B shape, random bf16 weights (cuda)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    ap.add_argument("--requests", type=int, default=0, help="per concurrency (default: max(3, concurrency))")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--methods", default="off,ngram,suffix")
+    ap.add_argument("--dynamic", action="store_true", help="let the cost model choose K (default: always K)")
+    ap.add_argument("--out", default="bench/results/spec_decode.json")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    block = 16
+    if a.random_8b:
+        from gpu_decode import build_model, llama31_8b_config
+        cfg = dataclasses.replace(llama31_8b_config(), eos_token_ids=(2,))
+        model = build_model(cfg, 4096)
+        tok_dir = pathlib.Path(a.model_dir) if a.model_dir else None
+        name = "llama31-8b-random"
+    else:
+        from services.worker.models import load_model
+        model_dir = a.model_dir
+        if a.gguf:
+            import tempfile
+
+            from services.models.gguf_to_hf import convert_gguf_to_hf
+            model_dir = convert_gguf_to_hf(a.gguf, pathlib.Path(tempfile.mkdtemp()))
+        model = load_model(model_dir, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, 2048)
+        tok_dir = pathlib.Path(model_dir)
+        name = tok_dir.name
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str((tok_dir or pathlib.Path(a.model_dir)) / "tokenizer.json")) if tok_dir else None
+    eos = frozenset(model.cfg.eos_token_ids)
+    runner = ModelRunner(model, model_name=name, kv_cache_bytes=(8 << 30) if dev.type == "cuda" else (1 << 30),
+                         block_size=block)
+    runner.hello(block)
+    res = {"bench": "spec_decode", "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+           "model": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "max_new": a.max_new,
+           "dynamic_k": a.dynamic, "runs": []}
+    for conc in a.concurrency:
+        n = a.requests or max(3, conc)
+        if tok is not None and not a.random_8b:
+            prompts = [chat_ids(tok, TASKS[i % 3].format(TEXTS[i % 3])) for i in range(n)]
+        else:
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(3, 32000, (256,), generator=g).tolist() for _ in range(n)]
+        base = None
+        for method in a.methods.split(","):
+            spec_json = METHODS[method]
+            if spec_json is not None and not a.dynamic:
+                spec_json = {**spec_json, "dynamic_k": [[1, 100000, spec_json["num_speculative_tokens"]]]}
+            spec = parse_spec_config(spec_json) if spec_json else None
+            runner.spec = SpecDecoder(spec, name) if spec else None
+            if runner.spec is not None and a.dynamic:
+                runner.spec.calibrate(runner, max_tokens=512 if dev.type == "cuda" else 48)
+            drive(runner, prompts[:1], 8, 1, spec.num_speculative_tokens if spec else 0, eos, block)   # warm-up
+            outs, secs, steps = drive(runner, prompts, a.max_new, conc, spec.num_speculative_tokens if spec else 0,
+                                      eos, block)
+            tokens = sum(len(v) for v in outs.values())
+            row = {"concurrency": conc, "method": method, "requests": n, "output_tokens": tokens, "seconds": secs,
+                   "output_tok_per_s": tokens / secs, "steps": steps}
+            if runner.spec is not None:
+                row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted,
+                           acceptance=runner.spec.accepted / max(1, runner.spec.drafted))
+            if base is None:
+                base = (outs, row["output_tok_per_s"])
+            else:
+                row["speedup_vs_off"] = row["output_tok_per_s"] / base[1]
+                row["greedy_identical"] = outs == base[0]
+            res["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            pathlib.Path(a.out).write_text(json.dumps(res, indent=1))
+    ok = all(r.get("greedy_identical", True) for r in res["runs"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
