@@ -384,12 +384,22 @@ class ModelRunner:
 
     def _speculates(self, plan: StepPlan) -> bool:
         """Drafts are proposed from host tokens, and a verified run's pending token sits at no
-        fixed sample row: such rows need the previous step read before this one is built."""
+        fixed sample row: such rows need the previous step read before this one is built (a
+        sync), unless the cost model says no draft would pay this step anyway."""
+        budgeted = []
         for r in plan.cached_requests:
             st = self.requests.get(r.request_id)
-            if st is not None and st.num_pending and (r.num_spec_tokens or st.spec_pending):
+            if st is None or not st.num_pending:
+                continue
+            if st.spec_pending:
                 return True
-        return False
+            if r.num_spec_tokens:
+                budgeted.append((r.request_id, r.num_spec_tokens))
+        if not budgeted:
+            return False
+        base = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
+            r.num_scheduled_tokens for r in plan.cached_requests)
+        return self.spec.worth_trying(budgeted, base, len(plan.new_requests) + len(plan.cached_requests))
 
     @staticmethod
     def _needs_host_tokens(sampling_seqs: list[_Scheduled]) -> bool:

@@ -92,6 +92,18 @@ class SpecDecoder:
                       plain=self.plain_cost)
         return {rid: proposals[rid][:k] for rid, k in zip(ids, ks) if k}
 
+    def worth_trying(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> bool:
+        """Before the previous step's tokens are read (a sync) to propose from them: would any
+        draft pay if every row had a full proposal? False keeps the step's overlap."""
+        fixed = self.cfg.fixed_k(batch)
+        if fixed is not None:
+            return fixed > 0
+        if self.spec_cost is None:
+            return True
+        ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
+                      plain=self.plain_cost)
+        return any(ks)
+
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.update(request_id, drafted, accepted)
         self.drafted += drafted

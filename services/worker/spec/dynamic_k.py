@@ -95,7 +95,7 @@ class AcceptanceTracker:
         share = accepted / proposed
         old = self.rates.get(request_id, self.prior)
         self.rates[request_id] = (1 - self.weight) * old + self.weight * share
-        self.prior = 0.98 * self.prior + 0.02 * share
+        self.prior = 0.9 * self.prior + 0.1 * share
 
     def forget(self, request_id: str) -> None:
         self.rates.pop(request_id, None)
