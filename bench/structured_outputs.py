@@ -2,7 +2,7 @@
 json_schema constraint vs unconstrained, on the same prompts, at concurrency 1 and N, plus the
 worker's mask time per token (its Prometheus histogram) — on this CPU with SmolLM2.
 
-  .venv/bin/python bench/structured_outputs.py [--model-dir DIR] [--concurrency 1 16] [--requests 32]
+  .venv/bin/python bench/structured_outputs.py [--model-dir DIR] [--concurrency 1 64] [--requests 8]
                                                 [--max-tokens 96]
 
 Every constrained output is checked against the schema (jsonschema); the run fails if one does
@@ -87,7 +87,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=32, help="requests per run, at least the run's concurrency")
     ap.add_argument("--max-tokens", type=int, default=96)
     a = ap.parse_args()
     if a.model_dir is None:
@@ -106,7 +106,7 @@ def main() -> int:
         for conc in a.concurrency:
             for constrained in (False, True, False, True):  # interleaved: drift weighs on both
                 before = mask_seconds(worker_metrics) if worker_metrics else (0.0, 0.0)
-                n, wall, outs = run_load(client, model, conc, a.requests, a.max_tokens, constrained)
+                n, wall, outs = run_load(client, model, conc, max(a.requests, conc), a.max_tokens, constrained)
                 after = mask_seconds(worker_metrics) if worker_metrics else (0.0, 0.0)
                 if constrained:
                     for text in outs:
