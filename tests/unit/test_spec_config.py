@@ -84,3 +84,17 @@ def test_acceptance_rates_start_from_the_methods_prior_and_track_each_request():
     assert t.rate("a") > 0.9 and t.rate("b") < 0.1
     t.forget("a")
     assert t.rate("a") == t.prior
+
+
+def test_the_decoder_skips_the_sync_when_no_draft_can_pay():
+    """worth_trying (before reading the previous step's tokens) says no when verifying costs far
+    more than plain steps, yes when drafts are nearly free and likely accepted."""
+    from services.worker.spec.decoder import SpecDecoder
+    d = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4}))
+    assert d.worth_trying([("a", 4)], 1, 1), "uncalibrated: try"
+    d.plain_cost = StepCostModel([(1, 0.001), (64, 0.0012)])
+    d.spec_cost = StepCostModel([(2, 0.014), (320, 0.014)])        # eager verify steps: 12x a graph step
+    assert not d.worth_trying([(f"r{i}", 4) for i in range(32)], 32, 32)
+    d.spec_cost = StepCostModel([(2, 0.0011), (320, 0.0015)])       # verify nearly free
+    d.acceptance.prior = 0.8
+    assert d.worth_trying([("a", 4)], 1, 1)

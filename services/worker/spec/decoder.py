@@ -18,7 +18,7 @@ import torch
 
 from services.common.spec_config import SpecConfig
 from services.worker.metrics import SPEC_ACCEPTED, SPEC_DRAFTED, SPEC_STEPS
-from services.worker.spec.dynamic_k import AcceptanceTracker, StepCostModel, choose_k
+from services.worker.spec.dynamic_k import MIN_GAIN, AcceptanceTracker, StepCostModel, choose_k
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
@@ -100,9 +100,16 @@ class SpecDecoder:
             return fixed > 0
         if self.spec_cost is None:
             return True
-        ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
-                      plain=self.plain_cost)
-        return any(ks)
+        rates = [(self.acceptance.rate(r), room) for r, room in rows]
+        # A bound first (a few cost lookups, every step): all rows at the best rate drafting the
+        # same K. If no K pays even so, no allocation does; else ask the full allocation.
+        a, n = max(r for r, _ in rates), len(rates)
+        plain = batch / (self.plain_cost or self.spec_cost).cost(base_tokens)
+        k_max = max(room for _, room in rates)
+        if not any((batch + n * sum(a ** j for j in range(1, k + 1))) / self.spec_cost.cost(base_tokens + n * k)
+                   > MIN_GAIN * plain for k in sorted({1, 2, k_max})):
+            return False
+        return any(choose_k(self.spec_cost, base_tokens, rates, plain=self.plain_cost))
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.update(request_id, drafted, accepted)
