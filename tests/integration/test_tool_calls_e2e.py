@@ -95,6 +95,18 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TO
 CHAT = [{"role": "user", "content": "Tell me something nice about the sea."}]
 
 
+def streamed_calls(chunks) -> dict[int, list[str]]:
+    """index -> [name, arguments] assembled from a stream's tool-call deltas."""
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(tc.index, ["", ""])
+            if tc.function:
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+    return calls
+
+
 def _assert_valid_calls(calls, allowed):
     import jsonschema
     assert calls
@@ -124,13 +136,7 @@ def test_a_forced_tool_call_streams_and_validates(client, tool_mesh):
     chunks = list(client.chat.completions.create(
         model=tool_mesh.model_name, messages=CHAT, tools=FORCED_TOOLS, tool_choice="required", max_tokens=96,
         temperature=0.8, seed=7, stream=True, parallel_tool_calls=False))
-    calls: dict[int, list[str]] = {}
-    for c in chunks:
-        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            entry = calls.setdefault(tc.index, ["", ""])
-            if tc.function:
-                entry[0] += tc.function.name or ""
-                entry[1] += tc.function.arguments or ""
+    calls = streamed_calls(chunks)
     assert len(calls) == 1                      # parallel_tool_calls false: one call
     _assert_valid_calls([tuple(v) for v in calls.values()], {"get_weather", "add"})
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]

@@ -9,7 +9,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.gateway_proc import start_gateway
-from tests.integration.test_tool_calls_e2e import CHAT, FORCED_TOOLS, _assert_valid_calls
+from tests.integration.test_tool_calls_e2e import CHAT, FORCED_TOOLS, _assert_valid_calls, streamed_calls
 
 
 @pytest.fixture(scope="module", params=["llama3_json", "qwen3_coder"])
@@ -37,13 +37,7 @@ def test_forced_calls_stream_and_validate_with_parallel_calls_allowed(client, me
     chunks = list(client.chat.completions.create(
         model=mesh.model_name, messages=CHAT, tools=FORCED_TOOLS, tool_choice="required", max_tokens=128,
         temperature=0.8, seed=3, stream=True))
-    calls: dict[int, list[str]] = {}
-    for c in chunks:
-        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            entry = calls.setdefault(tc.index, ["", ""])
-            if tc.function:
-                entry[0] += tc.function.name or ""
-                entry[1] += tc.function.arguments or ""
+    calls = streamed_calls(chunks)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     if finish == ["length"]:      # several calls allowed: the last may be cut; the complete ones count
         calls.popitem()

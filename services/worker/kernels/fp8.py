@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.gemv import gemv_kernel
 from services.worker.models.fp8 import FP8, FP8_MAX, Fp8Weight
 
 GEMV_CONFIG = (16, 512, 8, 2)   # BLOCK_N, BLOCK_K, num_warps, num_stages
@@ -64,25 +65,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@triton.jit
-def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, 1) * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
 def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] (bf16), w FP8 [N, K] -> [1, N] in x's dtype."""
@@ -91,8 +73,8 @@ def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = config or GEMV_CONFIG
     bk = min(bk, triton.next_power_of_2(k))
-    _gemv_fp8_kernel[(triton.cdiv(n, bn),)](x, w.weight, w.scale, bias if bias is not None else w.scale, y, n, k,
-                                            w.weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+    gemv_kernel[(triton.cdiv(n, bn),)](x, w.weight, w.scale, bias if bias is not None else w.scale, y, n, k,
+                                       w.weight.stride(0), HAS_SCALE=True, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
                                             num_warps=warps, num_stages=stages)
     return y
 

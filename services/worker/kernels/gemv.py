@@ -13,9 +13,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.worker.kernels.fp8 import fp8_linear
-from services.worker.models.fp8 import Fp8Weight
-
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) from the H200 sweep, by K.
 _CONFIGS = {4096: (16, 512, 8, 2), 14336: (16, 1024, 8, 4)}
 _DEFAULT = (16, 256, 4, 4)
@@ -23,8 +20,9 @@ ENABLED = True   # bench/gpu_decode.py turns it off to time cuBLAS in the same r
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -36,6 +34,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -49,16 +49,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = config or _CONFIGS.get(k, _DEFAULT)
     bk = min(bk, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                                        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages)
+    gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, bias if bias is not None else w, y, n, k, w.stride(0),
+                                       HAS_SCALE=False, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+                                       num_warps=warps, num_stages=stages)
     return y
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with one-row inputs on the GPU through `gemv`; FP8 weights through kernels/fp8.py."""
-    if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w, bias)
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with one-row inputs on the GPU through `gemv` (FP8 weights: kernels/fp8.py)."""
     if ENABLED and x.shape[0] == 1 and x.is_cuda and x.stride(1) == 1 and w.stride(1) == 1:
         return gemv(x, w, bias)
     return F.linear(x, w, bias)

@@ -40,6 +40,11 @@ def proj(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
 
 
+def proj_gemv(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """o and down: the Triton GEMV at one row for bf16 weights (gemv.py), kernels/fp8.py for FP8."""
+    return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else linear(x, w, bias)
+
+
 def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin [max_len, d], built once: bf16 tables would round Llama 3's scaled angles."""
     if getattr(model, "_rope_f32", None) is None:
@@ -74,10 +79,10 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
         paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
                         attn.max_query_len, model.scale, out=attn_out,
                         sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
-        o = model.reduce(linear(attn_out.view(t, nh * d), layer.o, layer.o_bias))   # M = 1: gemv.py
+        o = model.reduce(proj_gemv(attn_out.view(t, nh * d), layer.o, layer.o_bias))   # M = 1: gemv.py
         x = add_rms_norm(o, layer.post_norm, eps, residual=residual)                # residual += o
         gate_up = proj(x, layer.gate_up, layer.gate_up_bias)                        # [T, 2I]
-        mlp = model.reduce(linear(silu_mul(gate_up), layer.down, layer.down_bias))
+        mlp = model.reduce(proj_gemv(silu_mul(gate_up), layer.down, layer.down_bias))
         next_norm = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
         x = add_rms_norm(mlp, next_norm, eps, residual=residual)                    # residual += mlp
     return x
