@@ -88,3 +88,13 @@ def test_a_bad_speculative_config_stops_meshllm_serve_at_once(smollm2_dir, cfg, 
                           "serve", str(smollm2_dir), "--port", "0", "--grpc-port", "0", "--speculative-config", cfg],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and says in run.stderr, run.stderr[-2000:]
+
+
+def test_structured_outputs_validate_with_speculation(spec_mesh):
+    """The schema battery on the speculating mesh: drafts are checked against each grammar and
+    masks apply to every verified row, so constrained outputs still parse and validate."""
+    from tests.integration import structured_battery as battery
+    client = client_of(spec_mesh)
+    for name in ("nested", "ranges"):
+        assert battery.run_whole(client, spec_mesh.model_name, name) == 2
+    assert battery.run_streamed(client, spec_mesh.model_name, "array") == 2
