@@ -7,7 +7,10 @@ its length adapts to how predictable the text is, as SuffixDecoding's does.
 
 Nodes are `[count, children | None]` lists (children: token -> node). Appending a token touches
 one node per active context (O(depth)); memory is at most `depth` nodes per token, so the
-default depth (8) costs a few hundred bytes per token."""
+default depth (8) costs a few hundred bytes per token. Both tries are built lazily, at a
+proposal: while the cost model keeps speculation off (nothing accepted at high concurrency)
+they cost nothing but the token lists (at 256 random-weight requests on the H200 the eager
+tries cost 0.58x of the plain throughput)."""
 from __future__ import annotations
 
 from collections import deque
@@ -107,21 +110,33 @@ class SuffixTrie:
 
 
 class SuffixCache:
-    """The trie shared by all requests: the last `max_outputs` finished outputs."""
+    """The trie shared by all requests: the last `max_outputs` finished outputs. Built lazily,
+    at the first proposal after outputs arrived: an engine that never speculates (the cost model
+    says no) never pays for it."""
 
     def __init__(self, depth: int, max_outputs: int) -> None:
-        self.trie = SuffixTrie(depth)
+        self._trie = SuffixTrie(depth)
         self.max_outputs = max_outputs
         self._outputs: deque[list[int]] = deque()
+        self._built = 0            # outputs at the left of _outputs already in the trie
 
     def add_output(self, tokens: list[int]) -> None:
         if self.max_outputs <= 0 or not tokens:
             return
-        self.trie.start_sequence()
-        self.trie.extend(tokens)
         self._outputs.append(list(tokens))
         while len(self._outputs) > self.max_outputs:
-            self.trie.remove_sequence(self._outputs.popleft())
+            old = self._outputs.popleft()
+            if self._built:
+                self._trie.remove_sequence(old)
+                self._built -= 1
+
+    @property
+    def trie(self) -> SuffixTrie:
+        for i in range(self._built, len(self._outputs)):
+            self._trie.start_sequence()
+            self._trie.extend(self._outputs[i])
+        self._built = len(self._outputs)
+        return self._trie
 
     def __len__(self) -> int:
         return len(self._outputs)
@@ -130,22 +145,23 @@ class SuffixCache:
 class SuffixProposer:
     """One request: its own trie over prompt + outputs, and the shared cache of recent outputs."""
 
-    __slots__ = ("trie", "cache", "min_prob", "tokens", "num_prompt")
+    __slots__ = ("trie", "cache", "min_prob", "tokens", "num_prompt", "_indexed")
 
     def __init__(self, depth: int, min_prob: float, cache: SuffixCache | None, prompt: list[int]) -> None:
         self.trie = SuffixTrie(depth)
         self.cache, self.min_prob = cache, min_prob
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(prompt)
         self.num_prompt = len(prompt)
-        self.extend(prompt)
+        self._indexed = 0          # tokens already in the trie: it catches up at a proposal
 
     def extend(self, new_tokens: list[int]) -> None:
-        self.trie.extend(new_tokens)
         self.tokens.extend(new_tokens)
 
     def propose(self, k: int) -> list[int]:
         if k <= 0:
             return []
+        self.trie.extend(self.tokens[self._indexed:])
+        self._indexed = len(self.tokens)
         own, own_depth = self.trie.propose(self.tokens, k, self.min_prob)
         if self.cache is None or len(self.cache) == 0:
             return own
