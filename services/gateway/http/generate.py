@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from services.common import pb
 from services.gateway.openai.choices import ChoiceBuilder, ChoiceGroup, ChoiceSpec
 from services.gateway.clients.request_handle import Delta
-from services.gateway.http.body import ClientGone, watch
+from services.gateway.http.respond import respond
 from services.gateway.openai.format import sse, usage
 from services.gateway.service import Gateway
-from services.gateway.http.sse import SSEResponse, coalesce
+from services.gateway.http.sse import coalesce
 from services.gateway.timing import RequestTimer
 from services.gateway.timing import track as track_timing
 
@@ -145,28 +145,10 @@ async def generate(request: Request, gw: Gateway, req, request_id: str,
                 for p, prompt in enumerate(prompts) for j in range(n)]
     body = _Body(spec.chat, request_id, model, req.include_usage, timer,
                  getattr(req, "continuous_usage", False))
-    aiter(group)
-    try:
-        # Wait for the first step before committing to 200, so early failures get a status.
-        first = await watch(request, group, anext(group))
-        if first[1].error is not None:
-            group.abort()
-            raise first[1].error
-        if stream:
-            def on_disconnect() -> None:
-                request.state.outcome = "client_disconnected"
-                group.abort()
-
-            return SSEResponse(_stream(body, group, builders, first, request.state),
-                               on_disconnect=on_disconnect, headers={"Cache-Control": "no-cache"})
-        await watch(request, group, _collect(group, builders, first))
-    except ClientGone:
-        request.state.outcome = "client_disconnected"
-        return Response(status_code=499)
-    except BaseException:
-        group.abort()
-        raise
-    group.abort()
+    streamed = (lambda first: _stream(body, group, builders, first, request.state)) if stream else None
+    resp = await respond(request, group, streamed, lambda first: _collect(group, builders, first))
+    if resp is not None:
+        return resp
     out = body.envelope(body.whole_object, [b.whole() for b in builders])
     # The SDK's declared fields, null as vLLM sends them: a client's model_dump() has the keys the
     # raw JSON has (vLLM's own /invocations test compares them).

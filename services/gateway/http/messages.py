@@ -18,8 +18,9 @@ from services.gateway.anthropic.events import MessageBuilder, usage
 from services.gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from services.gateway.clients.request_handle import Delta
 from services.gateway.errors import ApiError, invalid
-from services.gateway.http.body import ClientGone, read_body, watch
-from services.gateway.http.sse import SSEResponse, coalesce
+from services.gateway.http.body import read_body
+from services.gateway.http.respond import respond
+from services.gateway.http.sse import coalesce
 from services.gateway.openai.chat_tools import decode_for_parsers
 from services.gateway.openai.choices import ChoiceGroup
 from services.gateway.openai.protocol import parse_body
@@ -119,29 +120,11 @@ async def _create(request: Request, gw: Gateway) -> Response:
                                 id_factory=new_tool_use_id, tools=prompt.tools)
     omit = getattr(req.thinking, "display", None) == "omitted"
     builder = MessageBuilder(message_id, req.model, parser, req.thinking_on, omit)
-    aiter(group)
-    try:
-        # Wait for the first step before committing to 200, so early failures get a status.
-        first = await watch(request, group, anext(group))
-        if first[1].error is not None:
-            group.abort()
-            raise first[1].error
-        if req.stream:
-            def on_disconnect() -> None:
-                request.state.outcome = "client_disconnected"
-                group.abort()
-
-            return SSEResponse(_stream(builder, group, first, request.state),
-                               on_disconnect=on_disconnect,
-                               headers={"Cache-Control": "no-cache", **_request_id(request)})
-        await watch(request, group, _collect(builder, group, first))
-    except ClientGone:
-        request.state.outcome = "client_disconnected"
-        return Response(status_code=499)
-    except BaseException:
-        group.abort()
-        raise
-    group.abort()
+    streamed = (lambda first: _stream(builder, group, first, request.state)) if req.stream else None
+    resp = await respond(request, group, streamed, lambda first: _collect(builder, group, first),
+                        headers=_request_id(request))
+    if resp is not None:
+        return resp
     return JSONResponse(builder.message(usage(group)), headers=_request_id(request))
 
 
