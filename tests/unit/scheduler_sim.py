@@ -94,7 +94,8 @@ class Driver:
         s = self.s
         if len(self.inflight) < self.depth and s.has_work():
             plan = s.schedule()
-            if not plan.is_empty():
+            # With kvstore fetches under way an empty plan still goes: its result reports them.
+            if not plan.is_empty() or (s.loading and not self.inflight):
                 self.plans.append(plan)
                 self.inflight.append((plan, self.worker.run(plan)))  # the worker runs plans in order
                 if len(self.inflight) < self.depth:

@@ -25,6 +25,9 @@ class BlockPool:
         # block id -> None, oldest-freed first; holds exactly the blocks with ref_count 0.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}   # block hash -> block id
+        # (block id, hash, tokens) of cached blocks that allocate() handed out again, when a
+        # lower tier wants them (the scheduler drains it into the plan's host offloads); None: off.
+        self.evicted: list[tuple[int, bytes, tuple[int, ...]]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -47,6 +50,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                if self.evicted is not None and self._cached.get(block.block_hash) == block_id:
+                    self.evicted.append((block_id, block.block_hash, block.token_ids))
                 self._evict(block)
             block.ref_count = 1
             ids.append(block_id)

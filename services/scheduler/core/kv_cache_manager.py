@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.core.block_pool import BlockPool
+from services.scheduler.core.host_tier import HostTier
 from services.scheduler.core.request import Request
 
 HashFn = Callable[[bytes, tuple[int, ...], str], bytes]
@@ -29,12 +30,17 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = chained_block_hash) -> None:
+                 hash_fn: HashFn = chained_block_hash, num_host_blocks: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.stats = PrefixCacheStats()
+        # Tier 1 (host_tier.py): what the pool evicts goes to the worker's host slots.
+        self.host = HostTier(num_host_blocks) if num_host_blocks > 0 and enable_prefix_caching else None
+        self.offloads: list[tuple[int, int]] = []    # (block id, slot) for the plan being built
+        if self.host is not None:
+            self.pool.evicted = []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -67,6 +73,53 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def find_host_prefix(self, req: Request, start: int) -> list[int]:
+        """Host slots of the blocks after the first `start` that tier 1 holds, in a row (taken:
+        made most recent and pinned for the plan being built). Call after find_cached_prefix."""
+        if self.host is None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        tokens, bs, hashes = req.all_token_ids, self.block_size, req.block_hashes
+        slots = []
+        for i in range(start, max_blocks):
+            slot = self.host.take(hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def local_prefix_blocks(self, req: Request) -> int:
+        """How many leading blocks of a waiting request tiers 0 and 1 hold now (nothing taken)."""
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        tokens, bs = req.all_token_ids, self.block_size
+        for i, block_hash in enumerate(self._block_hashes(req, max_blocks)):
+            ids = tuple(tokens[i * bs:(i + 1) * bs])
+            if self.pool.lookup(block_hash, ids) is None and (self.host is None or not self.host.contains(block_hash, ids)):
+                return i
+        return max_blocks
+
+    def prompt_hashes(self, req: Request) -> list[bytes]:
+        """The chain of every full block a prefix hit may cover (all but the last prompt token)."""
+        return self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
+
+    def take_offloads(self) -> list[tuple[int, int]]:
+        out, self.offloads = self.offloads, []
+        if self.host is not None:
+            self.host.end_plan()
+        return out
+
+    def _offload_evicted(self) -> None:
+        evicted = self.pool.evicted
+        if not evicted:
+            return
+        for block_id, block_hash, token_ids in evicted:
+            slot = self.host.store(block_hash, token_ids)
+            if slot is not None:
+                self.offloads.append((block_id, slot))
+        evicted.clear()
+
     def allocate(self, req: Request, num_tokens: int, cached_prefix: list[int] = ()) -> bool:
         """Make the request's blocks cover `num_tokens` tokens, reusing `cached_prefix` first."""
         if cached_prefix:
@@ -76,6 +129,8 @@ class KVCacheManager:
         if need <= 0:
             return True
         got = self.pool.allocate(need)
+        if self.host is not None:
+            self._offload_evicted()
         if got is None:
             if cached_prefix:  # undo, so a failed admission leaves nothing behind
                 del req.block_ids[-len(cached_prefix):]

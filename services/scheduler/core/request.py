@@ -8,6 +8,8 @@ from typing import Any
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOOKUP = "lookup"      # asking the kvstore how much of its prompt it holds (not queued yet)
+    LOADING = "loading"    # admitted, its blocks filling from the kvstore (not scheduled yet)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -41,7 +43,13 @@ class Request:
     # the worker may be past num_computed_tokens), and budgeted steps in a row it drafted none.
     spec_slack: int = 0
     spec_declined: int = 0
-    num_cached_prompt_tokens: int = 0         # prefix-cache hit at first admission
+    num_cached_prompt_tokens: int = 0         # prompt tokens not computed at first admission (any tier)
+    # KV tiers: leading prompt blocks the kvstore holds (-1: not asked), the blocks of its
+    # kvstore fetch (first index, count), and how many leading prompt blocks need no save.
+    kv_tier_blocks: int = -1
+    tier_load: tuple[int, int] = (0, 0)
+    num_saved_blocks: int = 0
+    dropped: bool = False                     # finished while LOADING: blocks freed when the fetch ends
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0                # leading blocks registered in the prefix cache

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from services.scheduler.core.kv_cache_manager import HashFn, KVCacheManager, chained_block_hash
 from services.scheduler.core.request import FinishReason, Request, RequestStatus
 from services.scheduler.core.types import (CachedRequestPlan, NewRequestPlan, RequestOutput, StepPlan,
-                                           StepResult)
+                                           StepResult, TierBlocks)
 from services.scheduler.core.waiting_queue import make_waiting_queue
 
 
@@ -39,6 +39,7 @@ class SchedulerConfig:
     policy: str = "fcfs"               # "fcfs" or "priority"
     enable_prefix_caching: bool = True
     num_spec_tokens: int = 0           # speculative decoding: most draft tokens per decode step (0: off)
+    kv_tier: bool = False              # a kvstore (tier 2): look prompts up, fetch and save blocks
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
@@ -52,9 +53,12 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, eos_token_ids: frozenset[int],
-                 vocab_size: int | None = None, hash_fn: HashFn = chained_block_hash) -> None:
+                 vocab_size: int | None = None, hash_fn: HashFn = chained_block_hash,
+                 num_host_blocks: int = 0) -> None:
         self.config = config
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, hash_fn,
+                                 num_host_blocks)
+        self.kv_tier = config.kv_tier and config.enable_prefix_caching
         self.pool = self.kv.pool
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
@@ -66,6 +70,14 @@ class Scheduler:
         self._step_id = 0
         self._arrivals = 0
         self.num_preemptions = 0
+        # KV tiers (docs/kv_tiers.md). Requests asking the kvstore how much of their prompt it
+        # holds (the adapter sends lookup_outbox and answers with on_tier_lookup), and requests
+        # whose blocks are filling from it (the worker reports in StepResult.kv_loads).
+        self.lookups: dict[str, Request] = {}
+        self.lookup_outbox: list[tuple[str, list[bytes]]] = []
+        self.loading: dict[str, Request] = {}
+        self.tier_stats = {"host_hit_blocks": 0, "kvstore_lookups": 0, "kvstore_found_blocks": 0,
+                           "kvstore_loaded_blocks": 0, "kvstore_failed_blocks": 0, "kvstore_saved_blocks": 0}
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, req: Request) -> str | None:
@@ -83,10 +95,35 @@ class Scheduler:
             return msg
         self._arrivals += 1
         req.arrival_seq = self._arrivals
-        req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        if self.kv_tier and not req.wants_prompt_logprobs:
+            hashes = self.kv.prompt_hashes(req)
+            if hashes and self.kv.local_prefix_blocks(req) < len(hashes):
+                # More of the prompt than this engine holds: ask the kvstore first (not queued).
+                req.status = RequestStatus.LOOKUP
+                self.lookups[req.request_id] = req
+                self.lookup_outbox.append((req.request_id, hashes))
+                self.tier_stats["kvstore_lookups"] += 1
+                return None
+        req.status = RequestStatus.WAITING
         self.waiting.add(req)
         return None
+
+    def take_lookups(self) -> list[tuple[str, list[bytes]]]:
+        """kvstore lookups to send: (request id, its prompt's hash chain)."""
+        out, self.lookup_outbox = self.lookup_outbox, []
+        return out
+
+    def on_tier_lookup(self, request_id: str, num_found: int) -> None:
+        """The kvstore holds the first `num_found` blocks of the chain (0 when it could not say):
+        the request joins the waiting queue."""
+        req = self.lookups.pop(request_id, None)
+        if req is None:
+            return   # finished (aborted) meanwhile
+        req.kv_tier_blocks = max(0, num_found)
+        self.tier_stats["kvstore_found_blocks"] += req.kv_tier_blocks
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req)
 
     def _validate(self, req: Request) -> str | None:
         cfg = self.config
@@ -126,10 +163,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.lookups) + len(self.loading)
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or self._pending_finished_ids or self._pending_outputs)
+        return bool(self.running or len(self.waiting) or self._pending_finished_ids or self._pending_outputs
+                    or self.loading)
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         out, self._pending_outputs = self._pending_outputs, []
@@ -219,28 +257,49 @@ class Scheduler:
             i += 1
 
         # Then waiting requests while budgets last (never in a step that had to preempt).
-        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        host_loads: list[tuple[int, int]] = []
+        tier_loads: list[TierBlocks] = []
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) + len(self.loading) < cfg.max_num_seqs):
             req = self.waiting.peek()
             # Prompt logprobs need every prompt row's logits: no cached prefix (as vLLM), though
             # the blocks it fills are cached for others; nor is it counted as a cache query.
-            cached = [] if req.wants_prompt_logprobs else self.kv.find_cached_prefix(req)
-            num_computed = len(cached) * cfg.block_size
+            if req.wants_prompt_logprobs:
+                cached, slots = [], []
+            else:
+                cached = self.kv.find_cached_prefix(req)
+                slots = self.kv.find_host_prefix(req, len(cached))   # tier 1, after the device's
+            local = len(cached) + len(slots)
+            num_tier = max(0, req.kv_tier_blocks - local) if self.kv_tier and not req.wants_prompt_logprobs else 0
+            if num_tier:
+                # Tier 2: its blocks fill in the background; it runs once the worker reports.
+                if not self.kv.allocate(req, (local + num_tier) * cfg.block_size, cached):
+                    break
+                self.waiting.pop()
+                self._count_admission(req, len(cached), len(slots))
+                host_loads.extend(zip(req.block_ids[len(cached):local], slots))
+                ids = req.block_ids[local:local + num_tier]
+                tier_loads.append(TierBlocks(req.request_id, ids, req.block_hashes[local:local + num_tier]))
+                req.tier_load = (local, num_tier)
+                req.kv_tier_blocks = -1   # asked again if it is ever preempted
+                req.status = RequestStatus.LOADING
+                self.loading[req.request_id] = req
+                continue
+            num_computed = local * cfg.block_size
             num_new = min(req.num_tokens - num_computed, budget)
             if not self.kv.allocate(req, num_computed + num_new, cached):
                 break
             self.waiting.pop()
-            if not req.wants_prompt_logprobs:
-                self.kv.stats.queries += req.num_tokens
-                self.kv.stats.hits += num_computed
-            if req.num_preemptions == 0:
-                req.num_cached_prompt_tokens = num_computed
+            self._count_admission(req, len(cached), len(slots))
+            host_loads.extend(zip(req.block_ids[len(cached):local], slots))
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[id(req)] = (req, num_new, 0)
             budget -= num_new
 
-        plan = StepPlan(self._step_id, finished_ids=self._pending_finished_ids)
+        plan = StepPlan(self._step_id, finished_ids=self._pending_finished_ids,
+                        host_offloads=self.kv.take_offloads(), host_loads=host_loads, tier_loads=tier_loads)
         self._pending_finished_ids = []
         for req, num_new, spec in scheduled.values():
             if not req.worker_has_state:
@@ -257,11 +316,56 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_planned_tokens:
                 req.num_inflight_tokens += 1   # this step samples a token
+            if self.kv_tier:
+                self._plan_save(plan, req)
         return plan
+
+    def _count_admission(self, req: Request, num_device: int, num_host: int) -> None:
+        if not req.wants_prompt_logprobs:
+            self.kv.stats.queries += req.num_tokens
+            self.kv.stats.hits += num_device * self.config.block_size
+        self.tier_stats["host_hit_blocks"] += num_host
+        if req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = (num_device + num_host) * self.config.block_size
+        req.num_saved_blocks = max(req.num_saved_blocks, num_device + num_host)
+
+    def _plan_save(self, plan: StepPlan, req: Request) -> None:
+        """Full prompt blocks this step completes go to the kvstore after its forward (once)."""
+        full = min(req.num_computed_tokens, len(req.prompt_token_ids)) // self.config.block_size
+        if full <= req.num_saved_blocks:
+            return
+        start = req.num_saved_blocks
+        hashes = self.kv._block_hashes(req, full)
+        plan.tier_saves.append(TierBlocks(req.request_id, req.block_ids[start:full], hashes[start:full]))
+        self.tier_stats["kvstore_saved_blocks"] += full - start
+        req.num_saved_blocks = full
+
+    def _on_kv_loads(self, results) -> None:
+        """Ended kvstore fetches: the loaded prefix counts as computed, the rest is recomputed."""
+        bs = self.config.block_size
+        for r in results:
+            req = self.loading.pop(r.request_id, None)
+            if req is None:
+                continue
+            if req.dropped:   # finished while its blocks filled: they are free only now
+                self.kv.free(req)
+                continue
+            start, count = req.tier_load
+            ok = max(0, min(r.num_loaded, count))
+            self.tier_stats["kvstore_loaded_blocks"] += ok
+            self.tier_stats["kvstore_failed_blocks"] += count - ok
+            req.num_computed_tokens = (start + ok) * bs
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = req.num_computed_tokens
+            req.num_saved_blocks = max(req.num_saved_blocks, start + ok)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     # ---- results ------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
+        if result.kv_loads:
+            self._on_kv_loads(result.kv_loads)
         sampled = {s.request_id: s for s in result.sampled}
         requests, incarnations = self.requests, plan.incarnations
         running = RequestStatus.RUNNING
@@ -343,6 +447,9 @@ class Scheduler:
                                          num_prompt_tokens=len(req.prompt_token_ids)))
             self._finish(req)
         self._pending_finished_ids = []  # the worker that held them is gone
+        for req in self.loading.values():   # its fetches ended with it
+            self.kv.free(req)
+        self.loading.clear()
         return outputs
 
     def _finish(self, req: Request) -> None:
@@ -351,16 +458,24 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        self.kv.free(req)
+        elif req.status is RequestStatus.LOOKUP:
+            del self.lookups[req.request_id]
+        if req.status is RequestStatus.LOADING:
+            req.dropped = True   # the worker writes its blocks until it reports the fetch
+        else:
+            self.kv.free(req)
         if req.worker_has_state:
             self._pending_finished_ids.append(req.request_id)
             req.worker_has_state = False
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
 
-    def reset_prefix_cache(self) -> int:
-        """Flush the prefix cache of unused blocks (see KVCacheManager.reset_prefix_cache).
-        Call it between steps, never while a plan is being built."""
+    def reset_prefix_cache(self, tiers: bool = False) -> int:
+        """Flush the prefix cache of unused blocks (see KVCacheManager.reset_prefix_cache), and
+        with `tiers` tier 1's index too (the adapter flushes the kvstore). Call it between
+        steps, never while a plan is being built; returns the device blocks flushed."""
+        if tiers and self.kv.host is not None:
+            self.kv.host.reset()
         return self.kv.reset_prefix_cache()
 
     # ---- metrics ------------------------------------------------------------------------
@@ -368,4 +483,5 @@ class Scheduler:
         """Engine state for metrics: counts, KV usage and prefix-cache counters."""
         return {"num_running": len(self.running), "num_waiting": len(self.waiting), "kv_usage": self.pool.usage,
                 "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions, **self.tier_stats,
+                "host_tier_blocks": len(self.kv.host) if self.kv.host is not None else 0}

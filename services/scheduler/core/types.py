@@ -31,6 +31,15 @@ class CachedRequestPlan:
     num_spec_tokens: int = 0      # draft tokens the worker may verify after this decode token
 
 
+@dataclass(frozen=True)
+class TierBlocks:
+    """A kvstore fetch into, or save from, one request's blocks (step.proto KvTierBlocks)."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
 @dataclass
 class StepPlan:
     step_id: int
@@ -39,6 +48,12 @@ class StepPlan:
     finished_ids: list[str] = field(default_factory=list)
     # request id -> (arrival_seq, num_preemptions) when planned; never sent to the worker.
     incarnations: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # KV tiers (step.proto): (block id, host slot) copies before the forward, kvstore fetches
+    # started and blocks saved after it.
+    host_offloads: list[tuple[int, int]] = field(default_factory=list)
+    host_loads: list[tuple[int, int]] = field(default_factory=list)
+    tier_loads: list[TierBlocks] = field(default_factory=list)
+    tier_saves: list[TierBlocks] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -50,7 +65,8 @@ class StepPlan:
         return [r.request_id for r in self.new_requests] + [r.request_id for r in self.cached_requests]
 
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.cached_requests or self.finished_ids)
+        return not (self.new_requests or self.cached_requests or self.finished_ids or self.host_offloads
+                    or self.host_loads or self.tier_loads or self.tier_saves)
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,8 @@ class StepResult:
     step_id: int
     sampled: list[SampledTokens] = field(default_factory=list)
     error: str | None = None      # a failed step fails its requests, not the engine
+    # Ended kvstore fetches (objects with request_id, num_loaded, num_requested: KvLoadResult).
+    kv_loads: list[Any] = field(default_factory=list)
 
 
 @dataclass
