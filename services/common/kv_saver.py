@@ -30,16 +30,18 @@ class KvSaver:
         self._thread = threading.Thread(target=self._run, name="kv-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, ns, blocks: Sequence[Block]) -> bool:
+    def submit(self, ns, blocks: Sequence[Block], before=None, after=None) -> bool:
         """Queue blocks for saving; the caller must not change their buffers afterwards. False
-        (and nothing queued) when they would push the queue past its bound."""
+        (and nothing queued) when they would push the queue past its bound. On the saver's
+        thread `before()` runs before the put (e.g. wait for a device copy into the buffers) and
+        `after()` after it (e.g. give the buffers back), whatever the put's outcome."""
         nbytes = sum(memoryview(buf).nbytes for _, buf in blocks)
         with self._cond:
             if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.dropped += len(blocks)
                 DROPPED.labels(TIER).inc(len(blocks))
                 return False
-            self._queue.append((ns, list(blocks), nbytes))
+            self._queue.append((ns, list(blocks), nbytes, before, after))
             self._pending_bytes += nbytes
             self._cond.notify()
         return True
@@ -55,8 +57,16 @@ class KvSaver:
                     self._cond.wait()
                 if not self._queue:
                     return
-                ns, blocks, nbytes = self._queue.popleft()
-            kept = self.client.put(ns, blocks)   # never raises; counts its own drops
+                ns, blocks, nbytes, before, after = self._queue.popleft()
+            try:
+                if before is not None:
+                    before()
+                kept = self.client.put(ns, blocks)   # never raises; counts its own drops
+            except Exception:  # noqa: BLE001 - a failed copy is a dropped save
+                kept = 0
+            finally:
+                if after is not None:
+                    after()
             with self._cond:
                 self._pending_bytes -= nbytes
                 self.saved += kept

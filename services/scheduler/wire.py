@@ -52,6 +52,15 @@ def plan_to_proto(plan: StepPlan) -> pb.step.WorkerRequest:
         else:
             add(request_id=r.request_id, num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens)
+    if plan.host_offloads or plan.host_loads or plan.tier_loads or plan.tier_saves:   # KV tiers
+        for b, slot in plan.host_offloads:
+            msg.host_offloads.add(block_id=b, slot=slot)
+        for b, slot in plan.host_loads:
+            msg.host_loads.add(block_id=b, slot=slot)
+        for t in plan.tier_loads:
+            msg.tier_loads.add(request_id=t.request_id, block_ids=t.block_ids, block_hashes=t.block_hashes)
+        for t in plan.tier_saves:
+            msg.tier_saves.add(request_id=t.request_id, block_ids=t.block_ids, block_hashes=t.block_hashes)
     return pb.step.WorkerRequest(plan=msg)
 
 
@@ -59,7 +68,8 @@ def result_from_proto(msg: pb.step.StepResult) -> StepResult:
     error = (msg.error.message or "worker error") if msg.HasField("error") else None
     # SampledOutput messages already have the fields the core reads (request_id, token_ids,
     # logprobs): handing them over as they are saves a copy per request per step.
-    return StepResult(step_id=msg.step_id, error=error, sampled=list(msg.outputs))
+    return StepResult(step_id=msg.step_id, error=error, sampled=list(msg.outputs),
+                      kv_loads=list(msg.kv_loads) if msg.kv_loads else [])
 
 
 def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.OutputBatch:

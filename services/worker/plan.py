@@ -89,6 +89,29 @@ class CachedRequest:
     num_spec_tokens: int = 0        # draft tokens the worker may verify after this decode token
 
 
+@dataclass(frozen=True, slots=True)
+class TierBlocks:
+    """A kvstore fetch into, or save from, one request's blocks (kv_tiers.py)."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """An ended kvstore fetch: its first num_loaded blocks hold their bytes."""
+
+    request_id: str
+    num_loaded: int
+    num_requested: int
+    bytes: int = 0
+    duration_ns: int = 0
+
+
+_NONE: tuple = ()
+
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
@@ -98,6 +121,16 @@ class StepPlan:
     # Why the wire refused part of this plan (bad sampling parameters); the plan then carries no
     # requests and a runner rejects it whole, so the reply keeps its step id and its place in order.
     invalid: str = ""
+    # KV tiers (step.proto, kv_tiers.py): (block, host slot) copies before the forward, kvstore
+    # fetches to start, blocks to save after the forward.
+    host_offloads: list[tuple[int, int]] | tuple = _NONE
+    host_loads: list[tuple[int, int]] | tuple = _NONE
+    tier_loads: list[TierBlocks] | tuple = _NONE
+    tier_saves: list[TierBlocks] | tuple = _NONE
+
+    @property
+    def has_tier_work(self) -> bool:
+        return bool(self.host_offloads or self.host_loads or self.tier_loads or self.tier_saves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +177,7 @@ class StepResult:
     outputs: list[SampledOutput]
     forward_ns: int = 0
     error: StepError | None = None  # a failed step: the scheduler fails its requests, not the engine
+    kv_loads: list[LoadResult] | tuple = _NONE   # kvstore fetches that ended since the last result
 
     @classmethod
     def failed(cls, step_id: int, code: str, message: str) -> "StepResult":
@@ -161,3 +195,5 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     model_name: str
     device: str
+    num_host_kv_blocks: int = 0     # tier-1 slots (--kv-offload-gb)
+    kv_namespace: object | None = None   # kv.proto KvNamespace when it fetches and saves via a kvstore

@@ -37,8 +37,8 @@ import torch
 
 from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models.llama import LlamaModel
-from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, PlanError, SampledOutput, SamplingConfig, StepPlan,
-                                  StepResult, TokenLogprob, WorkerInfo)
+from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, LoadResult, PlanError, SampledOutput, SamplingConfig,
+                                  StepPlan, StepResult, TokenLogprob, WorkerInfo)
 from services.worker import prompt_logprobs
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
 from services.worker.spec.decoder import accepted_prefix
@@ -143,6 +143,8 @@ class ModelRunner:
         self.graph_capture_s = 0.0                # how long the last start-up capture took
         self.spec = None                          # spec.decoder.SpecDecoder with --speculative-config
         self.prompt_logprob_slice = prompt_logprobs.SLICE_ROWS   # rows of prompt logits alive at once
+        self.tier_config = None                   # kv_tiers.TierConfig: host offload / kvstore (enable_kv_tiers)
+        self.tiers = None                         # kv_tiers.KvTiers over the current cache
         self.allocate_kv_cache(block_size)
 
     @property
@@ -161,6 +163,9 @@ class ModelRunner:
         num_blocks = self.fixed_num_blocks or self.kv_cache_bytes // self.model.kv_bytes_per_block(block_size, self.kv_dtype)
         if num_blocks < 1:
             raise PlanError("the KV cache budget holds no block; raise --kv-cache-memory-gb")
+        if self.tiers is not None:   # its fetches write into the old cache: let them end first
+            self.tiers.close()
+            self.tiers = None
         self.kv_caches = []  # free the old cache before allocating the new one
         self.gpu = None      # its graphs point into the old cache
         shape = self.model.kv_cache_shape(num_blocks, block_size)
@@ -181,6 +186,17 @@ class ModelRunner:
             # Every decode graph now, against this cache, not in the middle of serving (where the
             # first step of each batch size would stall for its capture).
             self.graph_capture_s = self.gpu.capture_at_startup()
+        if self.tier_config is not None:
+            self._build_tiers()
+
+    def enable_kv_tiers(self, config) -> None:
+        """Tier-1 host offload and/or kvstore fetches and saves (kv_tiers.TierConfig)."""
+        self.tier_config = config
+        self._build_tiers()
+
+    def _build_tiers(self) -> None:
+        from services.worker.kv_tiers import KvTiers
+        self.tiers = KvTiers(self.kv_caches, self.block_size, self.tier_config)
 
     @property
     def max_requests(self) -> int:
@@ -189,12 +205,17 @@ class ModelRunner:
     def hello(self, block_size: int) -> WorkerInfo:
         """A (re)connecting scheduler starts from an empty block pool: drop every request."""
         self._resolve_all()
+        if self.tiers is not None:
+            self.tiers.drain()   # fetches of the old scheduler's requests: ended, results dropped
         if block_size != self.block_size:
             self.allocate_kv_cache(block_size)
         self.requests.clear()
         cfg = self.model.cfg
+        tiers = self.tiers
         return WorkerInfo(self.num_blocks, self.block_size, self.model.max_model_len, cfg.vocab_size,
-                          tuple(cfg.eos_token_ids), self.model_name, describe_device(self.model.device))
+                          tuple(cfg.eos_token_ids), self.model_name, describe_device(self.model.device),
+                          tiers.num_slots if tiers is not None else 0,
+                          tiers.namespace if tiers is not None else None)
 
     # ---- plan validation and application --------------------------------------------------
     def _check_blocks(self, rid: str, block_ids) -> None:
@@ -220,6 +241,10 @@ class ModelRunner:
         (Sampling parameters were checked by the wire: a plan it refused arrives `invalid`.)"""
         if plan.invalid:
             raise PlanError(plan.invalid)
+        if plan.has_tier_work:
+            if self.tiers is None:
+                raise PlanError("the plan moves KV blocks between tiers but this worker has none")
+            self.tiers.check(plan)
         finished = set(plan.finished_ids)
         seen: set[str] = set()
         vocab = self.model.cfg.vocab_size
@@ -330,14 +355,18 @@ class ModelRunner:
                 self._resolve_all()
             except Exception as exc:  # noqa: BLE001 - as a failed step (collect reports it too)
                 log.exception("step %d failed", plan.step_id)
-                return PendingStep(plan.step_id, [], [], None, t0, result=StepResult.failed(
-                    plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}"))
+                result = StepResult.failed(plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+                result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
+                return PendingStep(plan.step_id, [], [], None, t0, result=result)
         try:
             self._validate(plan)
         except PlanError as exc:
             log.warning("step %d rejected: %s", plan.step_id, exc)
-            return PendingStep(plan.step_id, [], [], None, t0,
-                               result=StepResult.failed(plan.step_id, INVALID_ARGUMENT, str(exc)))
+            result = StepResult.failed(plan.step_id, INVALID_ARGUMENT, str(exc))
+            # Its kvstore fetches never start: reported at once, so their requests are recomputed.
+            result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
+            return PendingStep(plan.step_id, [], [], None, t0, result=result)
+        started = False
         try:
             # Inputs may point at the latest submitted step's samples only: older ones (and that
             # one too without overlap) are read first. Rows that sample from host token values
@@ -345,16 +374,33 @@ class ModelRunner:
             for p in list(self._unresolved[:-1] if self.overlap else self._unresolved):
                 self._resolve(p)
             scheduled = self._apply(plan)
+            if plan.has_tier_work:   # stream-ordered before the forward (kv_tiers.py)
+                self.tiers.apply_host_copies(plan)
+                self.tiers.start_loads(plan.tier_loads)
+                started = True
             if not scheduled:   # only finished_ids: nothing to run
                 return PendingStep(plan.step_id, [], [], None, t0, sampled={})
-            return self._launch(plan.step_id, scheduled, t0)
+            step = self._launch(plan.step_id, scheduled, t0)
+            if plan.tier_saves:   # right behind the forward that computed them
+                self.tiers.save(plan.tier_saves)
+            return step
         except Exception as exc:  # one bad step must not kill the worker
             log.exception("step %d failed", plan.step_id)
-            return PendingStep(plan.step_id, [], [], None, t0, result=StepResult.failed(
-                plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}"))
+            result = StepResult.failed(plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+            if not started:
+                result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
+            return PendingStep(plan.step_id, [], [], None, t0, result=result)
 
     def collect(self, step: PendingStep) -> StepResult:
-        """Wait for a submitted step's tokens (and every earlier step's) -> its StepResult."""
+        """Wait for a submitted step's tokens (and every earlier step's) -> its StepResult, with
+        the kvstore fetches that ended meanwhile (a plan with nothing to run, sent only to hear
+        about them, waits a few ms for one)."""
+        result = self._collect(step)
+        if self.tiers is not None and (self.tiers.loads_in_flight or self.tiers.has_done):
+            result.kv_loads = [*result.kv_loads, *self.tiers.take_loads(0.005 if not step.scheduled else 0.0)]
+        return result
+
+    def _collect(self, step: PendingStep) -> StepResult:
         if step.result is not None:
             return step.result
         if step.sampled is not None and step not in self._unresolved:

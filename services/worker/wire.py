@@ -14,7 +14,7 @@ from services.common import pb
 from services.common.sampling_rules import MAX_LOGPROBS, SamplingRuleError, check_engine_sampling
 from services.common.structured import grammar_of, kind_of
 from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, CachedRequest, Hello, NewRequest, SamplingConfig,
-                                  StepPlan, StepResult, TraceContext, WorkerInfo)
+                                  StepPlan, StepResult, TierBlocks, TraceContext, WorkerInfo)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,17 @@ def plan_from_proto(msg: pb.step.StepPlan, vocab_size: int) -> StepPlan:
     # no list() of an empty repeated field (measured: 4x the cost of the rest of the row).
     cached = [CachedRequest(r.request_id, list(nb) if (nb := r.new_block_ids) else [], r.num_computed_tokens,
                             r.num_scheduled_tokens, r.num_spec_tokens) for r in msg.cached_requests]
-    return StepPlan(msg.step_id, new, cached, list(msg.finished_ids))
+    plan = StepPlan(msg.step_id, new, cached, list(msg.finished_ids))
+    if msg.host_offloads or msg.host_loads or msg.tier_loads or msg.tier_saves:   # KV tiers (kv_tiers.py)
+        plan.host_offloads = [(c.block_id, c.slot) for c in msg.host_offloads]
+        plan.host_loads = [(c.block_id, c.slot) for c in msg.host_loads]
+        plan.tier_loads = [_tier_blocks(t) for t in msg.tier_loads]
+        plan.tier_saves = [_tier_blocks(t) for t in msg.tier_saves]
+    return plan
+
+
+def _tier_blocks(t: pb.step.KvTierBlocks) -> TierBlocks:
+    return TierBlocks(t.request_id, list(t.block_ids), list(t.block_hashes))
 
 
 def request_from_bytes(payload: bytes, vocab_size: int) -> Hello | StepPlan:
@@ -123,6 +133,9 @@ def _fill_result(msg: pb.step.StepResult, result: StepResult) -> None:
     if result.error is not None:
         msg.error.code = _ERROR[result.error.code]
         msg.error.message = result.error.message
+    for r in result.kv_loads:
+        msg.kv_loads.add(request_id=r.request_id, num_loaded=r.num_loaded, num_requested=r.num_requested,
+                         bytes=r.bytes, duration_ns=r.duration_ns)
 
 
 def _fill_prompt_logprobs(field, lps) -> None:
@@ -147,9 +160,13 @@ def result_reply(result: StepResult) -> bytes:
 
 
 def info_to_proto(info: WorkerInfo) -> pb.step.WorkerInfo:
-    return pb.step.WorkerInfo(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-                              max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                              eos_token_ids=info.eos_token_ids, model_name=info.model_name, device=info.device)
+    msg = pb.step.WorkerInfo(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                             max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                             eos_token_ids=info.eos_token_ids, model_name=info.model_name, device=info.device,
+                             num_host_kv_blocks=info.num_host_kv_blocks)
+    if info.kv_namespace is not None:
+        msg.kv_namespace.CopyFrom(info.kv_namespace)
+    return msg
 
 
 def info_reply(info: WorkerInfo) -> bytes:

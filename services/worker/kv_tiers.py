@@ -1,0 +1,290 @@
+"""The worker's side of the KV tiers (docs/kv_tiers.md): what the scheduler's plan asks it to copy.
+
+- Tier 1, host memory (`--kv-offload-gb`): a pool of slots, pinned on a GPU. A plan names device
+  blocks to copy into slots before the blocks are reused (offloads) and slots to copy into
+  device blocks (loads). Both are enqueued on the step's stream ahead of its forward, offloads
+  first, so stream order alone makes them safe: nothing waits on the host.
+- Tier 2, the kvstore (`--kvstore-addr`): a plan names blocks to fetch for a request the
+  scheduler holds back; one thread fetches them (chunk by chunk into a staging buffer, then onto
+  the device on its own stream), and the result (how many leading blocks arrived, within
+  `--kv-load-timeout-ms`) is reported in a later StepResult. A plan also names blocks its step
+  completes: right behind the forward they are copied to host buffers and saved by a background
+  thread (services/common/kv_saver.py); with no buffer free the save is dropped, never waited for.
+
+A block's bytes are "L2BHD": for each layer, K then V, [block_size, kv_heads, head_dim] each, in
+the cache's storage dtype; one layer's cache is [2, num_blocks, block_size, kv_heads, head_dim]
+(models/llama.py). Copies work on uint8 views, so an fp8 cache moves like any other."""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.plan import LoadResult, PlanError, TierBlocks
+
+log = logging.getLogger("meshllm.worker.kv_tiers")
+
+LAYOUT = "L2BHD"
+_LOAD_CHUNK_BYTES = 64 << 20   # staging of one fetch: the kvstore's default window
+
+
+@dataclass
+class TierConfig:
+    """What load.py gives the runner (the client and namespace fields stay None without a kvstore)."""
+
+    offload_bytes: int = 0                 # --kv-offload-gb
+    client: object | None = None           # services.common.kv_client.KvClient
+    make_namespace: object | None = None   # block_size, block_bytes -> KvNamespace
+    load_timeout_s: float = 2.0            # --kv-load-timeout-ms
+    save_buffer_bytes: int = 256 << 20     # host buffers of saves not yet put (pinned on a GPU)
+
+
+class _Buffers:
+    """Host buffers of one block each for saves in flight, up to a byte bound (pinned on a GPU:
+    pinning is slow, so they are made in batches once and reused)."""
+
+    def __init__(self, shape: tuple[int, ...], max_blocks: int, pin: bool) -> None:
+        self.shape, self.max_blocks, self.pin = shape, max_blocks, pin
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[torch.Tensor] | None:
+        with self._lock:
+            if len(self._free) < n:
+                grow = min(self.max_blocks - self._made, max(n - len(self._free), 16))
+                if len(self._free) + grow < n:
+                    return None
+                batch = torch.empty((grow, *self.shape), dtype=torch.uint8, pin_memory=self.pin)
+                self._free.extend(batch.unbind(0))
+                self._made += grow
+            out, self._free = self._free[-n:], self._free[:-n]
+            return out
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free.extend(bufs)
+
+
+class KvTiers:
+    def __init__(self, kv_caches: list[torch.Tensor], block_size: int, cfg: TierConfig) -> None:
+        self.cfg = cfg
+        self.device = kv_caches[0].device
+        self.cuda = self.device.type == "cuda"
+        # Byte views of each layer's cache: [2, num_blocks, block_size, kvh, head_dim * itemsize].
+        self.views = [c.view(torch.uint8) for c in kv_caches]
+        two, self.num_blocks, bs, kvh, hd = self.views[0].shape
+        self.block_shape = (len(self.views), two, bs, kvh, hd)       # one block, L2BHD
+        self.block_bytes = len(self.views) * two * bs * kvh * hd
+        self.block_size = block_size
+        self.num_slots = cfg.offload_bytes // self.block_bytes if cfg.offload_bytes > 0 else 0
+        self.host = (torch.zeros((self.num_slots, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+                     if self.num_slots else None)
+        self.client = cfg.client
+        self.namespace = (cfg.make_namespace(block_size, self.block_bytes)
+                          if self.client is not None and cfg.make_namespace is not None else None)
+        self.stats = collections.Counter()   # host_offload/host_load blocks and seconds (metrics)
+        self._jobs: collections.deque = collections.deque()
+        self._done: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = 0                       # fetches queued or running
+        self._closed = False
+        self._saver = None
+        self._save_bufs = None
+        self._thread = None
+        if self.namespace is not None:
+            from services.common.kv_saver import KvSaver
+            self._saver = KvSaver(self.client, max_pending_bytes=max(cfg.save_buffer_bytes, self.block_bytes))
+            self._save_bufs = _Buffers(self.block_shape, max(1, cfg.save_buffer_bytes // self.block_bytes), self.cuda)
+            self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+            self._thread = threading.Thread(target=self._fetch_loop, name="kv-tier-fetch", daemon=True)
+            self._thread.start()
+        log.info("KV tiers: host pool %d blocks (%.2f GiB), kvstore %s", self.num_slots,
+                 self.num_slots * self.block_bytes / 2**30, "on" if self.namespace is not None else "off")
+
+    # ---- checks (before anything of a plan is applied) -----------------------------------
+    def check(self, plan) -> None:
+        for pairs in (plan.host_offloads, plan.host_loads):
+            for block, slot in pairs:
+                if not 0 <= block < self.num_blocks:
+                    raise PlanError(f"KV tier copy: block id {block} outside [0, {self.num_blocks})")
+                if not 0 <= slot < self.num_slots:
+                    raise PlanError(f"KV tier copy: host slot {slot} outside [0, {self.num_slots})")
+        for t in (*plan.tier_loads, *plan.tier_saves):
+            if len(t.block_ids) != len(t.block_hashes):
+                raise PlanError(f"request {t.request_id}: {len(t.block_ids)} block ids, {len(t.block_hashes)} hashes")
+            if any(not 0 <= b < self.num_blocks for b in t.block_ids):
+                raise PlanError(f"request {t.request_id}: a tier block id outside [0, {self.num_blocks})")
+
+    # ---- block bytes ---------------------------------------------------------------------
+    def _index(self, block_ids) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids) -> torch.Tensor:
+        """[n, *block_shape] uint8 on the device: the blocks' bytes, L2BHD."""
+        idx = self._index(block_ids)
+        out = torch.empty((len(block_ids), *self.block_shape), dtype=torch.uint8, device=self.device)
+        for layer, v in enumerate(self.views):
+            out[:, layer] = v.index_select(1, idx).transpose(0, 1)
+        return out
+
+    def scatter(self, block_ids, src: torch.Tensor) -> None:
+        """Write [n, *block_shape] (on the device) into the blocks."""
+        idx = self._index(block_ids)
+        for layer, v in enumerate(self.views):
+            v.index_copy_(1, idx, src[:, layer].transpose(0, 1))
+
+    # ---- tier 1 --------------------------------------------------------------------------
+    def apply_host_copies(self, plan) -> None:
+        """Offloads, then loads: on the current stream, ahead of the step's forward."""
+        if plan.host_offloads:
+            t0 = time.perf_counter()
+            blocks = [b for b, _ in plan.host_offloads]
+            slots = [s for _, s in plan.host_offloads]
+            data = self.gather(blocks)
+            if self.cuda:
+                for j, s in enumerate(slots):
+                    self.host[s].copy_(data[j], non_blocking=True)
+            else:
+                self.host.index_copy_(0, torch.tensor(slots, dtype=torch.long), data)
+            self._count("host_offload", len(blocks), t0)
+        if plan.host_loads:
+            t0 = time.perf_counter()
+            blocks = [b for b, _ in plan.host_loads]
+            slots = [s for _, s in plan.host_loads]
+            if self.cuda:
+                data = torch.empty((len(slots), *self.block_shape), dtype=torch.uint8, device=self.device)
+                for j, s in enumerate(slots):
+                    data[j].copy_(self.host[s], non_blocking=True)
+            else:
+                data = self.host.index_select(0, torch.tensor(slots, dtype=torch.long))
+            self.scatter(blocks, data)
+            self._count("host_load", len(blocks), t0)
+
+    def _count(self, kind: str, n: int, t0: float) -> None:
+        self.stats[kind + "_blocks"] += n
+        self.stats[kind + "_seconds"] += time.perf_counter() - t0   # host time to enqueue (GPU)
+
+    # ---- tier 2: fetches -----------------------------------------------------------------
+    def start_loads(self, loads: list[TierBlocks]) -> None:
+        for t in loads:
+            if self.namespace is None or not t.block_ids:
+                self._done.append(LoadResult(t.request_id, 0, len(t.block_ids), 0, 0))
+                continue
+            with self._cond:
+                self._jobs.append((t, time.monotonic() + self.cfg.load_timeout_s))
+                self._busy += 1
+                self._cond.notify()
+
+    def take_loads(self, wait_s: float = 0.0) -> list[LoadResult]:
+        """Fetches that ended; with `wait_s`, wait that long for one if some are under way."""
+        if wait_s and not self._done and self._busy:
+            with self._cond:
+                self._cond.wait_for(lambda: self._done or not self._busy, wait_s)
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    @property
+    def loads_in_flight(self) -> int:
+        return self._busy
+
+    @property
+    def has_done(self) -> bool:
+        return bool(self._done)
+
+    def _fetch_loop(self) -> None:
+        per_chunk = max(1, _LOAD_CHUNK_BYTES // self.block_bytes)
+        staging = torch.empty((per_chunk, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+        dests = [b.numpy() for b in staging.unbind(0)]
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job, deadline = self._jobs.popleft()
+            t0 = time.perf_counter_ns()
+            try:
+                loaded = self._fetch(job, deadline, staging, dests, per_chunk)
+            except Exception:  # noqa: BLE001 - a fetch that fails is recomputed, never an error
+                log.exception("kvstore fetch failed")
+                loaded = 0
+            with self._cond:
+                self._done.append(LoadResult(job.request_id, loaded, len(job.block_ids),
+                                             loaded * self.block_bytes, time.perf_counter_ns() - t0))
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def _fetch(self, job: TierBlocks, deadline: float, staging, dests, per_chunk: int) -> int:
+        loaded = 0
+        n = len(job.block_ids)
+        while loaded < n and time.monotonic() < deadline:
+            hashes = job.block_hashes[loaded:loaded + per_chunk]
+            found = self.client.get_into(self.namespace, hashes, dests[:len(hashes)])
+            ok = next((i for i, f in enumerate(found) if not f), len(found))
+            if ok == 0 or time.monotonic() >= deadline:
+                break   # too late: its bytes are not used (the blocks are recomputed)
+            blocks = job.block_ids[loaded:loaded + ok]
+            if self.cuda:
+                with torch.cuda.stream(self._stream):
+                    self.scatter(blocks, staging[:ok].to(self.device, non_blocking=True))
+                self._stream.synchronize()   # on the device before it is reported, and staging is free
+            else:
+                self.scatter(blocks, staging[:ok])
+            loaded += ok
+            if ok < len(hashes):
+                break
+        return loaded
+
+    # ---- tier 2: saves -------------------------------------------------------------------
+    def save(self, saves: list[TierBlocks]) -> None:
+        """Right behind the step's forward (stream order): copy the blocks out, put them later."""
+        if self._saver is None:
+            return
+        for t in saves:
+            if not t.block_ids:
+                continue
+            bufs = self._save_bufs.take(len(t.block_ids))
+            if bufs is None:
+                self._saver.dropped += len(t.block_ids)
+                continue
+            data = self.gather(t.block_ids)
+            for j, b in enumerate(bufs):
+                b.copy_(data[j], non_blocking=self.cuda)
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()
+            blocks = [(h, b.numpy()) for h, b in zip(t.block_hashes, bufs)]
+            if not self._saver.submit(self.namespace, blocks, before=event.synchronize if event else None,
+                                      after=lambda bufs=bufs: self._save_bufs.give(bufs)):
+                if event is not None:
+                    event.synchronize()
+                self._save_bufs.give(bufs)
+
+    def flush_saves(self, timeout_s: float) -> bool:
+        return self._saver is None or self._saver.flush(timeout_s)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait for fetches under way (they write into the cache) and forget their results."""
+        with self._cond:
+            while self._jobs:
+                self._jobs.popleft()
+                self._busy -= 1
+            self._cond.wait_for(lambda: not self._busy, timeout_s)
+        self._done.clear()
+
+    def close(self) -> None:
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._saver is not None:
+            self._saver.close(2.0)
