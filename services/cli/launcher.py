@@ -63,6 +63,8 @@ class MeshConfig:
     kv_tier_disk_gb: float = 0.0
     kv_tier_backend: str = "memory"        # or redis://HOST:PORT
     kvstore_addr: str = ""                 # an external kvstore instead of starting one
+    kv_offload_gb: float = 0.0             # tier 1 per worker: host memory for evicted blocks (0: off)
+    kv_load_timeout_ms: float = 2000.0     # kvstore fetches cut short after this (recomputed)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -232,6 +234,8 @@ class Mesh:
             "--kv-cache-memory-gb", str(c.kv_cache_memory_gb), "--kv-cache-dtype", c.kv_cache_dtype,
             *(["--quantization", c.quantization] if c.quantization != "none" else []),
             *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
+            *(["--kv-offload-gb", str(c.kv_offload_gb)] if c.kv_offload_gb else []),
+            *(["--kv-load-timeout-ms", str(c.kv_load_timeout_ms)] if self.kvstore_address else []),
             "--served-model-name", c.served_model_name, *engine_args,
             *(["--tensor-parallel-size", str(c.tensor_parallel_size)] if c.tensor_parallel_size > 1 else []),
             *(["--simulate", "--simulate-step-ms", str(c.simulate_step_ms)] if c.simulate_worker else []),

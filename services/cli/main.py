@@ -88,6 +88,11 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--kv-tier-disk-gb", type=float, default=0.0, help="bound of the disk spill")
     p.add_argument("--kv-tier-backend", default="memory", help="memory, or redis://HOST:PORT (a Redis server holds the blocks)")
     p.add_argument("--kvstore-addr", default="", help="use this external kvstore (HOST:PORT) instead of starting one")
+    p.add_argument("--kv-offload-gb", type=float, default=0.0,
+                   help="tier 1: each worker keeps blocks its device cache evicts in this much host memory "
+                        "(pinned on a GPU); 0: off (docs/kv_tiers.md)")
+    p.add_argument("--kv-load-timeout-ms", type=float, default=2000.0,
+                   help="a kvstore fetch not done in this long is cut short; its blocks are recomputed")
     p.add_argument("--internal-mtls", default=None, metavar="DIR|auto",
                    help="mTLS on every internal gRPC hop and CURVE on the scheduler<->worker ZMQ link, "
                         "with the certificates and keys `scripts/dev-ca DIR` wrote, or 'auto': new ones "
@@ -123,7 +128,8 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       kv_tier=a.kv_tier, kv_tier_capacity_gb=a.kv_tier_capacity_gb,
                       kv_tier_disk_dir=os.path.abspath(a.kv_tier_disk_dir) if a.kv_tier_disk_dir else "",
                       kv_tier_disk_gb=a.kv_tier_disk_gb, kv_tier_backend=a.kv_tier_backend,
-                      kvstore_addr=a.kvstore_addr)
+                      kvstore_addr=a.kvstore_addr, kv_offload_gb=a.kv_offload_gb,
+                      kv_load_timeout_ms=a.kv_load_timeout_ms)
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:

@@ -175,6 +175,20 @@ class _EngineStateCollector:
         preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "requests preempted (KV recompute)",
                                           labels=_LABELS)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "engine steps completed", labels=_LABELS)
+        # KV tiers (docs/kv_tiers.md): prompt blocks served from tier 1 (host) and tier 2 (kvstore).
+        tier_labels = [*_LABELS, "tier"]
+        tier_hits = CounterMetricFamily(PREFIX + "kv_tier_prefix_hit_blocks", "prompt blocks not recomputed "
+                                        "because a KV tier held them", labels=tier_labels)
+        tier_misses = CounterMetricFamily(PREFIX + "kv_tier_prefix_miss_blocks", "blocks a lookup found whose "
+                                          "fetch failed or timed out (recomputed)", labels=tier_labels)
+        tier_saved = CounterMetricFamily(PREFIX + "kv_tier_stored_blocks", "blocks sent to a tier (host: "
+                                         "evicted device blocks kept; kvstore: prompt blocks saved)", labels=tier_labels)
+        lookups = CounterMetricFamily(PREFIX + "kv_tier_lookups", "kvstore lookups of prompts this engine did "
+                                      "not hold whole", labels=_LABELS)
+        loading = GaugeMetricFamily(PREFIX + "num_requests_loading_kv", "requests waiting for a kvstore lookup "
+                                    "or fetch", labels=_LABELS)
+        host_blocks = GaugeMetricFamily(PREFIX + "kv_tier_host_blocks", "blocks in the worker's host pool",
+                                        labels=_LABELS)
         for labels, engine in list(self.engines.items()):
             core = getattr(engine, "core", None)
             if core is None:
@@ -189,7 +203,16 @@ class _EngineStateCollector:
             hits.add_metric(labels, st["prefix_cache_hits"])
             preemptions.add_metric(labels, st["num_preemptions"])
             steps.add_metric(labels, engine.steps)
-        return [running, waiting, kv, blocks, queries, hits, preemptions, steps]
+            tier_hits.add_metric([*labels, "host"], st["host_hit_blocks"])
+            tier_hits.add_metric([*labels, "kvstore"], st["kvstore_loaded_blocks"])
+            tier_misses.add_metric([*labels, "kvstore"], st["kvstore_failed_blocks"])
+            tier_saved.add_metric([*labels, "host"], core.kv.host.stored if core.kv.host is not None else 0)
+            tier_saved.add_metric([*labels, "kvstore"], st["kvstore_saved_blocks"])
+            lookups.add_metric(labels, st["kvstore_lookups"])
+            loading.add_metric(labels, len(core.lookups) + len(core.loading))
+            host_blocks.add_metric(labels, st["host_tier_blocks"])
+        return [running, waiting, kv, blocks, queries, hits, preemptions, steps, tier_hits, tier_misses, tier_saved,
+                lookups, loading, host_blocks]
 
 
 ENGINE_STATE = _EngineStateCollector()

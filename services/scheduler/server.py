@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
@@ -57,6 +58,15 @@ class Engine:
         self.traces = RequestTraces() if telemetry.ENABLED else None  # None: tracing off
         self.steps = 0
         self.aborts = AbortTracker(config.engine_id, 2 if config.async_scheduling else 1)
+        # Tier 2 (docs/kv_tiers.md): lookups go to the kvstore on threads, never on this loop.
+        self.kv = None
+        if config.kvstore_addr:
+            from services.common.kv_client import KvClient
+            self.kv = KvClient(config.kvstore_addr, credentials=config.internal_tls.channel_credentials(),
+                               use_shm=False, copy_threads=1)
+        self._kv_threads = ThreadPoolExecutor(4, thread_name_prefix="kv-lookup") if self.kv is not None else None
+        self._lookups_done: list[tuple[str, int, int, int]] = []   # (request id, found, start ns, end ns)
+        self._loads_started: dict[str, int] = {}                   # request id -> when its fetch was planned
 
     # ---- worker link ------------------------------------------------------------------------
     async def connect_worker(self) -> None:
@@ -76,11 +86,17 @@ class Engine:
                                   enable_prefix_caching=self.config.enable_prefix_caching,
                                   num_spec_tokens=self.config.num_spec_tokens)
             self.info = info
+            tier = self.kv is not None and info.HasField("kv_namespace")
+            cfg.kv_tier = tier and cfg.enable_prefix_caching
+            if self.kv is not None and not tier:
+                log.warning("--kvstore-addr is set but the worker does not use the kvstore: tier 2 off")
             if self.metrics is None:
                 model_name = self.served_model_name or info.model_name
                 self.metrics = EngineMetrics(model_name, self.config.engine_id)
                 ENGINE_STATE.engines[(model_name, self.config.engine_id)] = self
-            self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size)
+            self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size,
+                                  num_host_blocks=info.num_host_kv_blocks)
+            self._loads_started.clear()
             self.health.set_ready(True)
             self.vitals.set_worker(True, "ready")
             log.info("worker ready: %d KV blocks of %d tokens, max_model_len %d, device %s",
@@ -135,6 +151,44 @@ class Engine:
                     self.core.add_request(request)
             elif msg.HasField("abort"):
                 self.core.abort([rid for rid in msg.abort.request_ids if rid in self.core.requests])
+        if self.kv is not None:
+            self._kv_lookups()
+
+    # ---- tier 2 -------------------------------------------------------------------------
+    def _kv_lookups(self) -> None:
+        """Send the core's kvstore lookups to threads and hand their answers back to it."""
+        core = self.core
+        if self._lookups_done:
+            done, self._lookups_done = self._lookups_done, []
+            for rid, found, t0, t1 in done:
+                core.on_tier_lookup(rid, found)
+                if self.traces:
+                    self.traces.on_tier(rid, "kv.lookup", t0, t1, {"meshllm.kv.blocks_found": found})
+        lookups = core.take_lookups()
+        if not lookups:
+            return
+        ns, loop = self.info.kv_namespace, asyncio.get_running_loop()
+
+        def lookup(rid: str, hashes: list[bytes]) -> None:
+            t0 = time.time_ns()
+            found = self.kv.lookup(ns, hashes)   # 0 when the store is down or slow (its own deadline)
+            self._lookups_done.append((rid, found, t0, time.time_ns()))
+            loop.call_soon_threadsafe(self._wake.set)
+        for rid, hashes in lookups:
+            self._kv_threads.submit(lookup, rid, hashes)
+
+    def _trace_tier(self, plan, result) -> None:
+        """kv.load spans (planned -> reported) and kv.save events of traced requests."""
+        now = time.time_ns()
+        for t in plan.tier_loads:
+            self._loads_started[t.request_id] = now
+        for r in result.kv_loads:
+            start = self._loads_started.pop(r.request_id, now)
+            self.traces.on_tier(r.request_id, "kv.load", start, now, {
+                "meshllm.kv.blocks_requested": r.num_requested, "meshllm.kv.blocks_loaded": r.num_loaded,
+                "meshllm.kv.bytes": r.bytes, "meshllm.kv.fetch_ms": r.duration_ns / 1e6})
+        for t in plan.tier_saves:
+            self.traces.on_tier_event(t.request_id, "kv.save", {"meshllm.kv.blocks": len(t.block_ids)})
 
     def _dispatch(self, step_id: int, outputs: list[RequestOutput]) -> None:
         per_stream: dict[int, list[RequestOutput]] = {}
@@ -199,7 +253,9 @@ class Engine:
             self.vitals.note_pending(bool(inflight) or self.core.has_work())
             if len(inflight) < depth and self.core.has_work():
                 plan = self.core.schedule()
-                if not plan.is_empty():
+                # While kvstore fetches are under way an empty plan still goes: its result says
+                # which ended (the worker waits a few ms for one), so this loop never sleeps on them.
+                if not plan.is_empty() or (self.core.loading and not inflight):
                     if plan.new_requests:
                         self._mark_scheduled(plan)
                     await self.worker.send_plan(wire.plan_to_proto(plan))
@@ -222,7 +278,10 @@ class Engine:
                     await self.connect_worker()
                     continue
                 self.aborts.on_result(plan.step_id, result.outputs)
-                outputs = self.core.update(plan, wire.result_from_proto(result))
+                core_result = wire.result_from_proto(result)
+                if self.traces and (plan.tier_loads or plan.tier_saves or core_result.kv_loads):
+                    self._trace_tier(plan, core_result)
+                outputs = self.core.update(plan, core_result)
                 self.steps += 1
                 self.vitals.step_done()
                 self._dispatch(plan.step_id, outputs)
@@ -241,24 +300,32 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
 
-    async def reset_prefix_cache(self) -> tuple[int, int]:
+    async def reset_prefix_cache(self, tiers: bool = False) -> tuple[int, int, int]:
         """Flush the prefix cache of unused blocks at the loop's next step boundary, so it
-        never interleaves with schedule()/update(); returns (flushed, still cached)."""
+        never interleaves with schedule()/update(); with `tiers` also tier 1's index and this
+        engine's namespace in the kvstore. Returns (flushed, still cached, kvstore blocks flushed:
+        -1 when there is no kvstore or it did not answer)."""
         done = asyncio.get_running_loop().create_future()
         # Calls that timed out while the loop was stuck leave cancelled futures: drop them.
         self._flushes = [f for f in self._flushes if not f.done()]
-        self._flushes.append(done)
+        self._flushes.append((done, tiers))
         self._wake.set()
-        return await done
+        flushed, cached = await done
+        kv_flushed = -1
+        if tiers and self.kv is not None and self.info is not None and self.info.HasField("kv_namespace"):
+            n = await asyncio.get_running_loop().run_in_executor(self._kv_threads, self.kv.flush,
+                                                                 self.info.kv_namespace)
+            kv_flushed = -1 if n is None else n
+        return flushed, cached, kv_flushed
 
     def _run_flushes(self) -> None:
         if not self._flushes:
             return
         waiting, self._flushes = self._flushes, []
-        flushed = self.core.reset_prefix_cache()
+        flushed = self.core.reset_prefix_cache(tiers=any(t for _, t in waiting))
         log.info("prefix cache reset: %d free blocks flushed, %d held blocks keep theirs",
                  flushed, self.core.pool.num_cached)
-        for done in waiting:  # calls that arrived together share one flush
+        for done, _ in waiting:  # calls that arrived together share one flush
             if not done.done():
                 done.set_result((flushed, self.core.pool.num_cached))
 
@@ -367,11 +434,13 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
         if self.engine.core is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready")
         try:
-            flushed, cached = await asyncio.wait_for(self.engine.reset_prefix_cache(), RESET_TIMEOUT_S)
+            flushed, cached, kv_flushed = await asyncio.wait_for(
+                self.engine.reset_prefix_cache(tiers=request.tiers), RESET_TIMEOUT_S)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine loop reached no step boundary "
                                 f"within {RESET_TIMEOUT_S:.0f}s (worker lost or a step is stuck)")
-        return pb.engine.ResetPrefixCacheResponse(num_blocks_flushed=flushed, num_blocks_cached=cached)
+        return pb.engine.ResetPrefixCacheResponse(num_blocks_flushed=flushed, num_blocks_cached=cached,
+                                                  num_tier_blocks_flushed=kv_flushed)
 
     async def GetLoad(self, request, context):
         core = self.engine.core

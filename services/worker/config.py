@@ -49,7 +49,10 @@ class WorkerConfig:
     tp_init_method: str = ""           # torch.distributed rendezvous, set by rank 0 likewise
     engine_id: str = "0"               # the `engine` label of this worker's metrics
     metrics_port: int = 0              # Prometheus /metrics on host:metrics_port; 0 = off
-    kvstore_addr: str = ""             # the secondary KV tier (docs/kvstore.md); not used yet
+    kvstore_addr: str = ""             # tier 2, the kvstore (docs/kv_tiers.md): fetch and save blocks there
+    kv_offload_gb: float = 0.0         # tier 1: host memory for blocks the device cache evicts (0: off)
+    kv_load_timeout_ms: float = 2000.0 # a kvstore fetch not done by then is cut short (recomputed)
+    kv_save_buffer_mb: float = 256.0   # host buffers of saves in flight (past them saves are dropped)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -97,6 +100,8 @@ class WorkerConfig:
         check_metrics_config(self.metrics_port, self.engine_id)
         from services.common.kv_blocks import check_kvstore_addr
         check_kvstore_addr(self.kvstore_addr)
+        if self.kv_offload_gb < 0 or self.kv_load_timeout_ms <= 0 or self.kv_save_buffer_mb <= 0:
+            raise ValueError("--kv-offload-gb must be >= 0, --kv-load-timeout-ms and --kv-save-buffer-mb > 0")
         if not self.served_model_name:
             self.served_model_name = os.path.basename(os.path.normpath(self.model))
 

@@ -166,8 +166,19 @@ class KvTiers:
             self._count("host_load", len(blocks), t0)
 
     def _count(self, kind: str, n: int, t0: float) -> None:
+        """Tier-1 counters; the metrics share kv_client's families with tier="host". On a GPU the
+        copies are stream-ordered inside the step, so only bytes and blocks are counted there."""
+        from services.common import kv_client as m
         self.stats[kind + "_blocks"] += n
-        self.stats[kind + "_seconds"] += time.perf_counter() - t0   # host time to enqueue (GPU)
+        direction = "save" if kind == "host_offload" else "load"
+        (m.SAVED if direction == "save" else m.HITS).labels("host").inc(n)
+        m.BYTES.labels("host", direction).inc(n * self.block_bytes)
+        if not self.cuda:
+            dt = time.perf_counter() - t0
+            self.stats[kind + "_seconds"] += dt
+            m.SECONDS.labels("host", direction).observe(dt)
+            if dt > 0:
+                m.GBPS.labels("host", direction).set(n * self.block_bytes / dt / 1e9)
 
     # ---- tier 2: fetches -----------------------------------------------------------------
     def start_loads(self, loads: list[TierBlocks]) -> None:

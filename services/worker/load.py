@@ -47,6 +47,9 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
                          seed_rng=tp.seed_rng if tp is not None else None,
                          tokenizer_path=os.path.join(cfg.model, "tokenizer.json"))
     runner.constraints.warm()   # structured outputs' tokenizer, built in the background now
+    tiers = tier_config(cfg, runner)
+    if tiers is not None:
+        runner.enable_kv_tiers(tiers)
     spec = parse_spec_config(cfg.speculative_config)
     if spec is not None:
         from services.worker.spec.decoder import SpecDecoder
@@ -61,6 +64,37 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
              cfg.served_model_name, time.monotonic() - t0, device, str(model.dtype).removeprefix("torch."),
              torch.get_num_threads(), model.max_model_len, "on" if runner.overlap else "off")
     return runner
+
+
+def tier_config(cfg: WorkerConfig, runner: ModelRunner):
+    """The KV tiers this rank uses (docs/kv_tiers.md), or None: tier-1 host offload with
+    --kv-offload-gb, kvstore fetches and saves with --kvstore-addr (one rank only: a tensor-parallel
+    group's ranks would each fetch their own shard with no agreement on how much arrived)."""
+    from services.worker.kv_tiers import LAYOUT, TierConfig
+    client = make_ns = None
+    if cfg.kvstore_addr and cfg.tensor_parallel_size > 1:
+        log.warning("kvstore tier off: not supported with --tensor-parallel-size > 1 (host offload still works)")
+    elif cfg.kvstore_addr:
+        from services.common.kv_namespace import engine_namespace, weights_fingerprint
+        try:
+            fingerprint = weights_fingerprint(cfg.model)
+        except (OSError, ValueError) as exc:
+            log.warning("kvstore tier off: cannot fingerprint the weights (%s)", exc)
+        else:
+            from services.common.kv_client import KvClient
+            client = KvClient(cfg.kvstore_addr, credentials=cfg.internal_tls.channel_credentials())
+            dtype = str(runner.model.dtype).removeprefix("torch.") + ("+fp8-weights" if cfg.quantization == "fp8" else "")
+            kv_dtype = str(runner.kv_dtype).removeprefix("torch.")
+
+            def make_ns(block_size: int, block_bytes: int):
+                return engine_namespace(cfg.model, cfg.served_model_name, dtype=dtype, kv_cache_dtype=kv_dtype,
+                                        block_size=block_size, num_layers=runner.model.cfg.num_layers,
+                                        tp_size=cfg.tensor_parallel_size, tp_rank=cfg.tp_rank,
+                                        block_bytes=block_bytes, layout=LAYOUT, fingerprint=fingerprint)
+    if client is None and cfg.kv_offload_gb <= 0:
+        return None
+    return TierConfig(offload_bytes=int(cfg.kv_offload_gb * 2**30), client=client, make_namespace=make_ns,
+                      load_timeout_s=cfg.kv_load_timeout_ms / 1e3, save_buffer_bytes=int(cfg.kv_save_buffer_mb * 2**20))
 
 
 def model_source(cfg: WorkerConfig) -> RunnerSource:

@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                    help="torch.profiler traces go under this directory (WorkerControl); "
                         "default $MESHLLM_CACHE/profiles or ~/.cache/meshllm/profiles")
     add_kvstore_flag(p)
+    p.add_argument("--kv-offload-gb", type=float, default=0.0,
+                   help="tier 1: keep blocks the device cache evicts in this much host memory (pinned on a "
+                        "GPU) and copy them back on a prefix hit; 0: off (docs/kv_tiers.md)")
+    p.add_argument("--kv-load-timeout-ms", type=float, default=2000.0,
+                   help="a kvstore fetch not done in this long is cut short; its blocks are recomputed")
+    p.add_argument("--kv-save-buffer-mb", type=float, default=256.0,
+                   help="host buffers of kvstore saves in flight; past them a save is dropped, never waited for")
     internal_tls.add_flags(p)
     p.add_argument("--zmq-curve-secret-key", default="",
                    help="CURVE on the ROUTER: this worker's secret key file (NAME.key_secret)")
@@ -89,7 +96,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                             profile_dir=a.profile_dir, tensor_parallel_size=a.tensor_parallel_size, tp_rank=a.tp_rank,
                             tp_init_method=a.tp_init_method, internal_tls=internal_tls.from_args(a),
                             zmq_curve=CurveServerKeys(a.zmq_curve_secret_key, a.zmq_curve_clients),
-                            engine_id=a.engine_id, metrics_port=a.metrics_port, kvstore_addr=a.kvstore_addr)
+                            engine_id=a.engine_id, metrics_port=a.metrics_port, kvstore_addr=a.kvstore_addr,
+                            kv_offload_gb=a.kv_offload_gb, kv_load_timeout_ms=a.kv_load_timeout_ms,
+                            kv_save_buffer_mb=a.kv_save_buffer_mb)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -173,7 +173,7 @@ class EnginePool:
                     "to %s", handle.request_id, handle.tried[-2], decision.replica_id)
         return True
 
-    async def reset_prefix_cache(self, timeout_s: float) -> list[dict]:
+    async def reset_prefix_cache(self, timeout_s: float, tiers: bool = False) -> list[dict]:
         """Engine.ResetPrefixCache on every replica at once: one outcome per replica.
 
         A replica that is STARTING, RESTARTING or DEAD runs (or will run) a fresh process
@@ -184,11 +184,14 @@ class EnginePool:
             if r.spec.state in ("STARTING", "RESTARTING", "DEAD"):
                 return {**out, "status": "skipped", "reason": f"{r.spec.state.lower()}: no cache to flush"}
             try:
-                reply = await r.client.reset_prefix_cache(timeout_s)
+                reply = await r.client.reset_prefix_cache(timeout_s, tiers)
             except grpc.aio.AioRpcError as err:
                 return {**out, "status": "error", "error": f"{err.code().name}: {err.details()}"}
-            return {**out, "status": "ok", "num_blocks_flushed": reply.num_blocks_flushed,
+            done = {**out, "status": "ok", "num_blocks_flushed": reply.num_blocks_flushed,
                     "num_blocks_cached": reply.num_blocks_cached}
+            if tiers:
+                done["num_tier_blocks_flushed"] = reply.num_tier_blocks_flushed
+            return done
         return list(await asyncio.gather(*(one(r) for r in list(self._replicas.values()))))
 
     def fail_all(self, message: str) -> None:
@@ -235,12 +238,14 @@ class EnginePool:
         task.add_done_callback(self._background.discard)
 
 
-async def reset_prefix_caches(engines: EnginePool) -> tuple[dict, str | None]:
-    """Flush every replica (HTTP and gRPC share this): the report, and why it counts as a
-    failure (a replica failed, or none could be asked) or None."""
-    outcomes = await engines.reset_prefix_cache(RESET_TIMEOUT_S)
+async def reset_prefix_caches(engines: EnginePool, tiers: bool = False) -> tuple[dict, str | None]:
+    """Flush every replica (HTTP and gRPC share this), with `tiers` their KV tiers too: the
+    report, and why it counts as a failure (a replica failed, or none could be asked) or None."""
+    outcomes = await engines.reset_prefix_cache(RESET_TIMEOUT_S, tiers)
     report = {"num_blocks_flushed": sum(o.get("num_blocks_flushed", 0) for o in outcomes),
               "replicas": outcomes}
+    if tiers:   # replicas usually share one kvstore: the first that flushed counted its blocks
+        report["num_tier_blocks_flushed"] = sum(max(0, o.get("num_tier_blocks_flushed", 0)) for o in outcomes)
     failed = [f"{o['replica']} ({o['error']})" for o in outcomes if o["status"] == "error"]
     if failed:
         return report, f"the prefix cache was not flushed on {', '.join(failed)}"

@@ -159,9 +159,10 @@ class EngineClient:
             return False
         return resp.status == hpb.HealthCheckResponse.SERVING
 
-    async def reset_prefix_cache(self, timeout_s: float) -> "pb.engine.ResetPrefixCacheResponse":
-        """Engine.ResetPrefixCache on this replica (raises grpc.aio.AioRpcError)."""
-        return await self._stub.ResetPrefixCache(pb.engine.ResetPrefixCacheRequest(),
+    async def reset_prefix_cache(self, timeout_s: float, tiers: bool = False) -> "pb.engine.ResetPrefixCacheResponse":
+        """Engine.ResetPrefixCache on this replica (raises grpc.aio.AioRpcError); `tiers`: the
+        KV tiers too."""
+        return await self._stub.ResetPrefixCache(pb.engine.ResetPrefixCacheRequest(tiers=tiers),
                                                  timeout=timeout_s)
 
     # --- internals -------------------------------------------------------------------------

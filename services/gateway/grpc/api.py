@@ -191,12 +191,13 @@ class GenerationServicer(pb.generation_grpc.GenerationServicer):
 
     async def ResetPrefixCache(self, request, context):
         """Admin only (auth.ADMIN_GRPC_METHODS), as POST /reset_prefix_cache."""
-        report, failure = await reset_prefix_caches(self.gw.engine)
+        report, failure = await reset_prefix_caches(self.gw.engine, request.tiers)
         if failure:
             await ApiError("unavailable", failure).abort_grpc(context)
         fields = pb.generation.ReplicaPrefixCacheReset.DESCRIPTOR.fields_by_name
         return pb.generation.PrefixCacheResetResponse(
             num_blocks_flushed=report["num_blocks_flushed"],
+            num_tier_blocks_flushed=report.get("num_tier_blocks_flushed", 0),
             replicas=[pb.generation.ReplicaPrefixCacheReset(**{k: v for k, v in o.items() if k in fields})
                       for o in report["replicas"]])
 

@@ -3,11 +3,13 @@
 Both are admin routes (auth.py: ADMIN_HTTP_PREFIXES): refused unless the gateway was started
 with an admin key and the request presents it.
 
-- `POST /reset_prefix_cache` (no body; vLLM's route of the same name) asks every engine
+- `POST /reset_prefix_cache` (vLLM's route of the same name) asks every engine
   replica to drop the prefix-cache entries of the KV blocks no request holds
   (Engine.ResetPrefixCache, run between steps; running requests keep theirs). 200 with one
   outcome per replica when every asked replica flushed; 503 with the same body plus an
   `error` when none could be asked or one failed (the others are flushed all the same).
+  With the body `{"tiers": true}` the KV tiers go too (docs/kv_tiers.md): each engine's host
+  pool index and its namespace in the kvstore (`num_tier_blocks_flushed`).
 - `POST /drain` with `{"replica": "engine-1"}` marks the replica DRAINING in the supervisor
   (it finishes what it runs; routers send it nothing new); `{"replica": "engine-1",
   "undrain": true}` puts it back. Answers the supervisor's Replica as JSON. 404 for an
@@ -28,6 +30,11 @@ from services.gateway.clients.lazy_stub import LazyStub
 from services.gateway.openai.protocol import parse_body
 
 _DRAIN_TIMEOUT_S = 10.0
+
+
+class ResetBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tiers: bool = False
 
 
 class DrainBody(BaseModel):
@@ -57,8 +64,10 @@ def add_admin_routes(app: FastAPI, engines: EnginePool, supervisor_addr: str, cr
                            "start it with --supervisor-addr (meshllm serve does)"))
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        report, failure = await reset_prefix_caches(engines)
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        raw = await read_body(request, max_body_bytes)
+        body = parse_body(ResetBody, raw) if raw.strip() else ResetBody()
+        report, failure = await reset_prefix_caches(engines, body.tiers)
         body = {"object": "prefix_cache_reset", **report}
         if failure:
             body.update(ApiError("unavailable", failure).to_openai())
