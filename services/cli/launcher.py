@@ -65,6 +65,11 @@ class MeshConfig:
     kvstore_addr: str = ""                 # an external kvstore instead of starting one
     kv_offload_gb: float = 0.0             # tier 1 per worker: host memory for evicted blocks (0: off)
     kv_load_timeout_ms: float = 2000.0     # kvstore fetches cut short after this (recomputed)
+    # Prefill/decode disaggregation (docs/pd.md): P prefill engines (engine-0 .. P-1) and D
+    # decode engines (engine-P ..) instead of --data-parallel-size colocated ones.
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -95,6 +100,18 @@ class MeshConfig:
                 raise ValueError(str(exc).replace("--", "--kv-tier-")) from None
         if self.data_parallel_size < 1 or self.tokenizer_replicas < 1:
             raise ValueError("--data-parallel-size and --tokenizer-replicas must be >= 1")
+        if self.prefill_replicas or self.decode_replicas:
+            if self.prefill_replicas < 1 or self.decode_replicas < 1:
+                raise ValueError("--prefill-replicas and --decode-replicas go together, each >= 1")
+            if self.data_parallel_size > 1:
+                raise ValueError("--data-parallel-size (colocated engines) and --prefill-replicas / "
+                                 "--decode-replicas (disaggregated ones) are alternatives: give one")
+            if not (self.kv_tier or self.kvstore_addr):
+                raise ValueError("prefill/decode disaggregation hands the KV over through the kvstore: "
+                                 "drop --no-kv-tier or give --kvstore-addr")
+            self.data_parallel_size = self.prefill_replicas + self.decode_replicas
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("--kv-load-failure-policy must be recompute or fail")
         if self.progress_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("--progress-timeout-s and --shutdown-grace-s must be positive")
         if self.tensor_parallel_size < 1:
@@ -222,9 +239,17 @@ class Mesh:
         c = self.cfg
         return c.device if c.device != "cuda" or dp_rank == 0 else f"cuda:{dp_rank * c.tensor_parallel_size}"
 
+    def role_of(self, rank: int) -> str:
+        """An engine's kv_role (docs/pd.md): prefill engines first, then decode ones."""
+        c = self.cfg
+        if not c.prefill_replicas:
+            return ""
+        return "prefill" if rank < c.prefill_replicas else "decode"
+
     def _engine_replica(self, e: EnginePorts) -> "pb.supervisor.ReplicaSpec":
         c = self.cfg
         suffix = f"-{e.rank}" if e.rank else ""
+        role = self.role_of(e.rank)
         engine_args = ["--max-model-len", str(c.max_model_len),
                        *(["--kvstore-addr", self.kvstore_address] if self.kvstore_address else []),
                        *(["--speculative-config", c.speculative_config] if c.speculative_config else [])]
@@ -251,13 +276,14 @@ class Mesh:
             "--block-size", str(c.block_size), "--served-model-name", c.served_model_name,
             "--scheduling-policy", c.scheduling_policy,
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--async-scheduling" if c.async_scheduling else "--no-async-scheduling", *engine_args],
+            "--async-scheduling" if c.async_scheduling else "--no-async-scheduling", *engine_args,
+            *(["--kv-role", role, "--kv-load-failure-policy", c.kv_load_failure_policy] if role else [])],
             replica=f"scheduler{suffix}", health_addr=f"127.0.0.1:{e.scheduler_health_port}",
             health_service="scheduler")
         return pb.supervisor.ReplicaSpec(
             id=f"engine-{e.rank}", kind=pb.supervisor.REPLICA_KIND_ENGINE, rank=e.rank,
             addr=f"127.0.0.1:{e.scheduler_port}", processes=[worker, scheduler], restart_when_unready=True,
-            metrics_url=self.metrics_url(f"scheduler{suffix}"))
+            metrics_url=self.metrics_url(f"scheduler{suffix}"), role=role)
 
     def metrics_url(self, key: str) -> str:
         """The /metrics URL of one service replica ("worker", "scheduler-1", ...), "" if it has none."""

@@ -68,6 +68,13 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (a scheduler and its worker each) under the supervisor; "
                         "the gateway routes among the ready ones")
+    p.add_argument("--prefill-replicas", type=int, default=0,
+                   help="prefill/decode disaggregation (docs/pd.md): engines that compute prompts and hand "
+                        "their KV over through the kvstore (with --decode-replicas; instead of --data-parallel-size)")
+    p.add_argument("--decode-replicas", type=int, default=0,
+                   help="engines that take hand-offs from the prefill engines and stream the rest of each answer")
+    p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="a hand-off whose KV does not arrive: the decode engine recomputes the prompt, or fails")
     p.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer replicas (the gateway fails over)")
     p.add_argument("--progress-timeout-s", type=float, default=30.0,
                    help="an engine with work pending and no step completed this long reports not ready "
@@ -129,7 +136,8 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       kv_tier_disk_dir=os.path.abspath(a.kv_tier_disk_dir) if a.kv_tier_disk_dir else "",
                       kv_tier_disk_gb=a.kv_tier_disk_gb, kv_tier_backend=a.kv_tier_backend,
                       kvstore_addr=a.kvstore_addr, kv_offload_gb=a.kv_offload_gb,
-                      kv_load_timeout_ms=a.kv_load_timeout_ms)
+                      kv_load_timeout_ms=a.kv_load_timeout_ms, prefill_replicas=a.prefill_replicas,
+                      decode_replicas=a.decode_replicas, kv_load_failure_policy=a.kv_load_failure_policy)
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:

@@ -34,7 +34,8 @@ class KvSaver:
         """Queue blocks for saving; the caller must not change their buffers afterwards. False
         (and nothing queued) when they would push the queue past its bound. On the saver's
         thread `before()` runs before the put (e.g. wait for a device copy into the buffers) and
-        `after()` after it (e.g. give the buffers back), whatever the put's outcome."""
+        `after(kept)` after it (e.g. give the buffers back; kept: blocks the store holds, 0 when
+        the put failed), whatever the put's outcome."""
         nbytes = sum(memoryview(buf).nbytes for _, buf in blocks)
         with self._cond:
             if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes:
@@ -58,6 +59,7 @@ class KvSaver:
                 if not self._queue:
                     return
                 ns, blocks, nbytes, before, after = self._queue.popleft()
+            kept = 0
             try:
                 if before is not None:
                     before()
@@ -66,7 +68,7 @@ class KvSaver:
                 kept = 0
             finally:
                 if after is not None:
-                    after()
+                    after(kept)
             with self._cond:
                 self._pending_bytes -= nbytes
                 self.saved += kept

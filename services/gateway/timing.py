@@ -21,13 +21,18 @@ from services.common import pb
 class HandleTiming:
     """What the gateway learns about one engine request as its outputs arrive."""
 
-    __slots__ = ("detokenize_ns", "engine", "first_token_ns", "last_ns")
+    __slots__ = ("detokenize_ns", "engine", "first_token_ns", "last_ns", "prefill_engine")
 
     def __init__(self) -> None:
         self.detokenize_ns = 0
         self.engine = None          # the latest pb.engine.RequestTiming seen
+        self.prefill_engine = None  # a hand-off (docs/pd.md): the prefill engine's stamps
         self.first_token_ns = 0     # gateway monotonic clock
         self.last_ns = 0
+
+    def on_handoff(self) -> None:
+        """The request moves from its prefill engine to a decode engine."""
+        self.prefill_engine, self.engine = self.engine, None
 
     def on_output(self, out, detokenize_ns: int) -> None:
         """`out`: a pb.engine.RequestOutput or MergedOutput, just detokenized."""
@@ -56,8 +61,19 @@ class RequestTimer:
 
     def breakdown(self, timing: HandleTiming) -> dict[str, float]:
         e = timing.engine
-        queue = prefill = decode = 0.0
-        if e is not None:
+        queue = prefill = decode = transfer = 0.0
+        p = timing.prefill_engine
+        if p is not None:   # queue and prefill on the prefill engine, decode on the decode engine
+            queue = max(0, p.first_scheduled_unix_ns - p.queued_unix_ns) / 1e6 if p.first_scheduled_unix_ns else 0.0
+            if p.first_token_unix_ns and p.first_scheduled_unix_ns:
+                prefill = (p.first_token_unix_ns - p.first_scheduled_unix_ns) / 1e6
+            if p.finished_unix_ns and p.first_token_unix_ns:
+                transfer = (p.finished_unix_ns - p.first_token_unix_ns) / 1e6
+            if e is not None and e.first_scheduled_unix_ns:
+                transfer += (e.first_scheduled_unix_ns - e.queued_unix_ns) / 1e6
+                if e.finished_unix_ns:
+                    decode = (e.finished_unix_ns - e.first_scheduled_unix_ns) / 1e6
+        elif e is not None:
             if e.first_scheduled_unix_ns:
                 queue = (e.first_scheduled_unix_ns - e.queued_unix_ns) / 1e6
             if e.first_token_unix_ns and e.first_scheduled_unix_ns:
@@ -70,7 +86,7 @@ class RequestTimer:
         return {"queue_ms": round(queue, 3), "prefill_ms": round(prefill, 3), "decode_ms": round(decode, 3),
                 "tokenize_ms": round(self.tokenize_ns / 1e6, 3),
                 "detokenize_ms": round(timing.detokenize_ns / 1e6, 3),
-                "total_ms": round((end - self.start_ns) / 1e6, 3)}
+                "total_ms": round((end - self.start_ns) / 1e6, 3), "kv_transfer_ms": round(transfer, 3)}
 
     def breakdown_of_last(self, handles) -> dict[str, float]:
         """n choices: the breakdown of the choice that finished last (it bounds the response)."""

@@ -29,9 +29,11 @@ class SchedulerServiceConfig:
     health_port: int = 0              # grpc.health.v1 on its own thread (health_thread.py); 0 = off
     progress_timeout_s: float = 30.0  # work pending and no step completed this long: NOT_SERVING
     shutdown_grace_s: float = 20.0    # SIGTERM: in-flight requests get this long, then fail
-    kvstore_addr: str = ""            # the secondary KV tier (docs/kvstore.md); not used yet
+    kvstore_addr: str = ""            # the secondary KV tier (docs/kv_tiers.md): lookups go there
     speculative_config: str = ""      # --speculative-config JSON ("": off); budgets draft tokens
     num_spec_tokens: int = 0          # from it: the most draft tokens per decode step
+    kv_role: str = ""                 # "prefill" / "decode" / "" both (docs/pd.md): in EngineInfo
+    kv_load_failure_policy: str = "recompute"   # a hand-off's KV missing: recompute or fail
 
     def __post_init__(self) -> None:
         from services.common.spec_config import parse_spec_config
@@ -56,3 +58,7 @@ class SchedulerServiceConfig:
         check_metrics_config(self.metrics_port, self.engine_id)
         from services.common.kv_blocks import check_kvstore_addr
         check_kvstore_addr(self.kvstore_addr)
+        if self.kv_role not in ("", "prefill", "decode"):
+            raise ValueError(f"--kv-role must be prefill, decode or empty, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("--kv-load-failure-policy must be recompute or fail")

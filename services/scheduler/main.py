@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
                    help="on SIGTERM: readiness off, new requests refused, in-flight ones get this long")
     add_metrics_args(p, engine_id=True)
     add_kvstore_flag(p)
+    p.add_argument("--kv-role", default="", choices=["", "prefill", "decode"],
+                   help="prefill/decode disaggregation (docs/pd.md): the role the gateway routes by; "
+                        "'' (default): both (colocated). Any engine serves hand-offs either way")
+    p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="a hand-off whose KV does not arrive: recompute the prompt here, or fail the request")
     internal_tls.add_flags(p)
     p.add_argument("--zmq-curve-secret-key", default="",
                    help="CURVE on the worker link: this scheduler's secret key file (NAME.key_secret)")
@@ -65,7 +70,8 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
                                       engine_id=a.engine_id, metrics_port=a.metrics_port,
                                       health_port=a.health_port, progress_timeout_s=a.progress_timeout_s,
                                       shutdown_grace_s=a.shutdown_grace_s, kvstore_addr=a.kvstore_addr,
-                                      speculative_config=a.speculative_config)
+                                      speculative_config=a.speculative_config, kv_role=a.kv_role,
+                                      kv_load_failure_policy=a.kv_load_failure_policy)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -84,7 +84,8 @@ class Engine:
                                   block_size=self.config.block_size, max_waiting=self.config.max_waiting,
                                   policy=self.config.scheduling_policy,
                                   enable_prefix_caching=self.config.enable_prefix_caching,
-                                  num_spec_tokens=self.config.num_spec_tokens)
+                                  num_spec_tokens=self.config.num_spec_tokens,
+                                  kv_load_failure_policy=self.config.kv_load_failure_policy)
             self.info = info
             tier = self.kv is not None and info.HasField("kv_namespace")
             cfg.kv_tier = tier and cfg.enable_prefix_caching
@@ -177,8 +178,9 @@ class Engine:
         for rid, hashes in lookups:
             self._kv_threads.submit(lookup, rid, hashes)
 
-    def _trace_tier(self, plan, result) -> None:
-        """kv.load spans (planned -> reported) and kv.save events of traced requests."""
+    def _trace_tier(self, plan, result, sent_ns: int) -> None:
+        """kv.load spans (planned -> reported) and kv.save spans (the step that copied the blocks
+        out, sent -> result; the put itself runs in the worker's background) of traced requests."""
         now = time.time_ns()
         for t in plan.tier_loads:
             self._loads_started[t.request_id] = now
@@ -188,7 +190,7 @@ class Engine:
                 "meshllm.kv.blocks_requested": r.num_requested, "meshllm.kv.blocks_loaded": r.num_loaded,
                 "meshllm.kv.bytes": r.bytes, "meshllm.kv.fetch_ms": r.duration_ns / 1e6})
         for t in plan.tier_saves:
-            self.traces.on_tier_event(t.request_id, "kv.save", {"meshllm.kv.blocks": len(t.block_ids)})
+            self.traces.on_tier(t.request_id, "kv.save", sent_ns, now, {"meshllm.kv.blocks": len(t.block_ids)})
 
     def _dispatch(self, step_id: int, outputs: list[RequestOutput]) -> None:
         per_stream: dict[int, list[RequestOutput]] = {}
@@ -255,7 +257,7 @@ class Engine:
                 plan = self.core.schedule()
                 # While kvstore fetches are under way an empty plan still goes: its result says
                 # which ended (the worker waits a few ms for one), so this loop never sleeps on them.
-                if not plan.is_empty() or (self.core.loading and not inflight):
+                if not plan.is_empty() or ((self.core.loading or self.core.handoffs) and not inflight):
                     if plan.new_requests:
                         self._mark_scheduled(plan)
                     await self.worker.send_plan(wire.plan_to_proto(plan))
@@ -280,7 +282,7 @@ class Engine:
                 self.aborts.on_result(plan.step_id, result.outputs)
                 core_result = wire.result_from_proto(result)
                 if self.traces and (plan.tier_loads or plan.tier_saves or core_result.kv_loads):
-                    self._trace_tier(plan, core_result)
+                    self._trace_tier(plan, core_result, time.time_ns() - int((time.perf_counter() - t0) * 1e9))
                 outputs = self.core.update(plan, core_result)
                 self.steps += 1
                 self.vitals.step_done()
@@ -428,7 +430,7 @@ class EngineServicer(pb.engine_grpc.EngineServicer):
                                     block_size=cfg.block_size, num_kv_blocks=engine.core.pool.num_blocks,
                                     max_num_seqs=cfg.max_num_seqs,
                                     max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                    eos_token_ids=list(engine.info.eos_token_ids))
+                                    eos_token_ids=list(engine.info.eos_token_ids), kv_role=engine.config.kv_role)
 
     async def ResetPrefixCache(self, request, context):
         if self.engine.core is None:

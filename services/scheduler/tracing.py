@@ -71,16 +71,11 @@ class RequestTraces:
         telemetry.end_span(span, end_ns=finished, attributes=attrs, error=error)
 
     def on_tier(self, request_id: str, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
-        """A KV-tier phase of a traced request (kv.lookup, kv.load) as a child span."""
+        """A KV-tier phase of a traced request (kv.lookup, kv.load, kv.save) as a child span."""
         span = self._open.get(request_id)
         if span is not None:
             telemetry.end_span(telemetry.start_span(name, parent=span, start_ns=start_ns, attributes=attributes),
                                end_ns=max(start_ns, end_ns))
-
-    def on_tier_event(self, request_id: str, name: str, attributes: dict) -> None:
-        span = self._open.get(request_id)
-        if span is not None:
-            telemetry.add_event(span, name, attributes)
 
     def close_all(self) -> None:
         """The engine is stopping: end what is still open."""

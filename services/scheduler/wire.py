@@ -14,6 +14,20 @@ _ERROR = {
 
 def request_from_submit(msg: pb.engine.EngineSubmit) -> Request:
     sp = msg.sampling
+    if msg.HasField("kv_handoff"):   # prefill/decode disaggregation (docs/pd.md)
+        h = msg.kv_handoff
+        req = _request(msg, sp)
+        req.prefill_only = h.prefill_only
+        if h.resume_token_ids:
+            for t in h.resume_token_ids:
+                req.append_output(t)
+            req.handoff = True
+            req.kv_tier_blocks = max(0, h.num_kv_blocks)
+        return req
+    return _request(msg, sp)
+
+
+def _request(msg: pb.engine.EngineSubmit, sp) -> Request:
     return Request(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
@@ -69,7 +83,8 @@ def result_from_proto(msg: pb.step.StepResult) -> StepResult:
     # SampledOutput messages already have the fields the core reads (request_id, token_ids,
     # logprobs): handing them over as they are saves a copy per request per step.
     return StepResult(step_id=msg.step_id, error=error, sampled=list(msg.outputs),
-                      kv_loads=list(msg.kv_loads) if msg.kv_loads else [])
+                      kv_loads=list(msg.kv_loads) if msg.kv_loads else [],
+                      kv_saves=list(msg.kv_saves) if msg.kv_saves else [])
 
 
 def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.OutputBatch:
@@ -83,6 +98,8 @@ def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.Ou
             ro.finish_reason = finish.to_proto(o.finish_reason)
         if o.num_cached_tokens:
             ro.num_cached_tokens = o.num_cached_tokens
+        if o.handoff_blocks >= 0:
+            ro.handoff.num_kv_blocks = o.handoff_blocks
         if o.logprobs:
             ro.logprobs.extend(o.logprobs)
         if o.prompt_logprobs:

@@ -200,7 +200,8 @@ class Supervisor:
         return pb.supervisor.Replica(
             id=r.spec.id, kind=r.spec.kind, rank=r.spec.rank, addr=r.spec.addr, state=_STATE_PB[m.state],
             reason=m.reason, restarts=m.restarts, pids=[p.pid for p in r.procs] if alive else [],
-            since_unix_s=self._wall0 + (m.since - self._mono0), metrics_url=r.spec.metrics_url)
+            since_unix_s=self._wall0 + (m.since - self._mono0), metrics_url=r.spec.metrics_url,
+            role=r.spec.role)
 
     async def _publish(self) -> None:
         snapshot = [self._to_pb(r) for r in self.replicas]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.plan import LoadResult, PlanError, TierBlocks
+from services.worker.plan import LoadResult, PlanError, SaveResult, TierBlocks
 
 log = logging.getLogger("meshllm.worker.kv_tiers")
 
@@ -90,6 +90,7 @@ class KvTiers:
         self.stats = collections.Counter()   # host_offload/host_load blocks and seconds (metrics)
         self._jobs: collections.deque = collections.deque()
         self._done: collections.deque = collections.deque()
+        self._saved: collections.deque = collections.deque()   # SaveResults, in submission order
         self._cond = threading.Condition()
         self._busy = 0                       # fetches queued or running
         self._closed = False
@@ -193,9 +194,8 @@ class KvTiers:
 
     def take_loads(self, wait_s: float = 0.0) -> list[LoadResult]:
         """Fetches that ended; with `wait_s`, wait that long for one if some are under way."""
-        if wait_s and not self._done and self._busy:
-            with self._cond:
-                self._cond.wait_for(lambda: self._done or not self._busy, wait_s)
+        if wait_s:
+            self.wait_done(wait_s)
         out = []
         while self._done:
             out.append(self._done.popleft())
@@ -206,8 +206,20 @@ class KvTiers:
         return self._busy
 
     @property
+    def busy(self) -> bool:
+        """Fetches or saves under way (each is reported when it ends)."""
+        return bool(self._busy or (self._saver is not None and self._saver.pending_bytes))
+
+    def wait_done(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for a fetch or a save to end (a plan sent only to hear of them)."""
+        deadline = time.monotonic() + wait_s
+        while not (self._done or self._saved) and self.busy and time.monotonic() < deadline:
+            with self._cond:
+                self._cond.wait(0.0005)
+
+    @property
     def has_done(self) -> bool:
-        return bool(self._done)
+        return bool(self._done or self._saved)
 
     def _fetch_loop(self) -> None:
         per_chunk = max(1, _LOAD_CHUNK_BYTES // self.block_bytes)
@@ -255,15 +267,19 @@ class KvTiers:
 
     # ---- tier 2: saves -------------------------------------------------------------------
     def save(self, saves: list[TierBlocks]) -> None:
-        """Right behind the step's forward (stream order): copy the blocks out, put them later."""
+        """Right behind the step's forward (stream order): copy the blocks out, put them later.
+        Every entry is reported once (take_saves), saved or dropped."""
         if self._saver is None:
+            self.refuse_saves(saves)
             return
         for t in saves:
             if not t.block_ids:
+                self._saved.append(SaveResult(t.request_id, 0, 0))
                 continue
             bufs = self._save_bufs.take(len(t.block_ids))
             if bufs is None:
                 self._saver.dropped += len(t.block_ids)
+                self._saved.append(SaveResult(t.request_id, len(t.block_ids), 0))
                 continue
             data = self.gather(t.block_ids)
             for j, b in enumerate(bufs):
@@ -273,11 +289,27 @@ class KvTiers:
                 event = torch.cuda.Event()
                 event.record()
             blocks = [(h, b.numpy()) for h, b in zip(t.block_hashes, bufs)]
+
+            def after(kept: int, bufs=bufs, t=t) -> None:
+                self._save_bufs.give(bufs)
+                self._saved.append(SaveResult(t.request_id, len(t.block_ids), kept))
             if not self._saver.submit(self.namespace, blocks, before=event.synchronize if event else None,
-                                      after=lambda bufs=bufs: self._save_bufs.give(bufs)):
+                                      after=after):
                 if event is not None:
                     event.synchronize()
                 self._save_bufs.give(bufs)
+                self._saved.append(SaveResult(t.request_id, len(t.block_ids), 0))
+
+    def refuse_saves(self, saves) -> None:
+        """Saves that will never run (a refused or failed plan): reported as dropped."""
+        for t in saves:
+            self._saved.append(SaveResult(t.request_id, len(t.block_ids), 0))
+
+    def take_saves(self) -> list[SaveResult]:
+        out = []
+        while self._saved:
+            out.append(self._saved.popleft())
+        return out
 
     def flush_saves(self, timeout_s: float) -> bool:
         return self._saver is None or self._saver.flush(timeout_s)

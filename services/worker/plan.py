@@ -109,6 +109,15 @@ class LoadResult:
     duration_ns: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """An ended kvstore save of one plan's blocks of one request."""
+
+    request_id: str
+    num_blocks: int
+    num_saved: int
+
+
 _NONE: tuple = ()
 
 
@@ -178,6 +187,7 @@ class StepResult:
     forward_ns: int = 0
     error: StepError | None = None  # a failed step: the scheduler fails its requests, not the engine
     kv_loads: list[LoadResult] | tuple = _NONE   # kvstore fetches that ended since the last result
+    kv_saves: list[SaveResult] | tuple = _NONE   # kvstore saves that ended since the last result
 
     @classmethod
     def failed(cls, step_id: int, code: str, message: str) -> "StepResult":

@@ -38,7 +38,7 @@ import torch
 from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models.llama import LlamaModel
 from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, LoadResult, PlanError, SampledOutput, SamplingConfig,
-                                  StepPlan, StepResult, TokenLogprob, WorkerInfo)
+                                  SaveResult, StepPlan, StepResult, TokenLogprob, WorkerInfo)
 from services.worker import prompt_logprobs
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
 from services.worker.spec.decoder import accepted_prefix
@@ -356,17 +356,14 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - as a failed step (collect reports it too)
                 log.exception("step %d failed", plan.step_id)
                 result = StepResult.failed(plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
-                result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
-                return PendingStep(plan.step_id, [], [], None, t0, result=result)
+                return PendingStep(plan.step_id, [], [], None, t0, result=self._refused_tiers(plan, result))
         try:
             self._validate(plan)
         except PlanError as exc:
             log.warning("step %d rejected: %s", plan.step_id, exc)
             result = StepResult.failed(plan.step_id, INVALID_ARGUMENT, str(exc))
-            # Its kvstore fetches never start: reported at once, so their requests are recomputed.
-            result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
-            return PendingStep(plan.step_id, [], [], None, t0, result=result)
-        started = False
+            return PendingStep(plan.step_id, [], [], None, t0, result=self._refused_tiers(plan, result))
+        started = saved = False
         try:
             # Inputs may point at the latest submitted step's samples only: older ones (and that
             # one too without overlap) are read first. Rows that sample from host token values
@@ -379,25 +376,40 @@ class ModelRunner:
                 self.tiers.start_loads(plan.tier_loads)
                 started = True
             if not scheduled:   # only finished_ids: nothing to run
+                if plan.tier_saves:
+                    self.tiers.refuse_saves(plan.tier_saves)
                 return PendingStep(plan.step_id, [], [], None, t0, sampled={})
             step = self._launch(plan.step_id, scheduled, t0)
             if plan.tier_saves:   # right behind the forward that computed them
+                saved = True
                 self.tiers.save(plan.tier_saves)
             return step
         except Exception as exc:  # one bad step must not kill the worker
             log.exception("step %d failed", plan.step_id)
             result = StepResult.failed(plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
-            if not started:
-                result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
-            return PendingStep(plan.step_id, [], [], None, t0, result=result)
+            return PendingStep(plan.step_id, [], [], None, t0,
+                               result=self._refused_tiers(plan, result, loads=not started, saves=not saved))
+
+    def _refused_tiers(self, plan: StepPlan, result: StepResult, loads: bool = True, saves: bool = True) -> StepResult:
+        """A plan refused or failed before its kvstore fetches (saves) started: they are reported
+        at once as nothing loaded (saved), so their requests are recomputed, never left waiting."""
+        if loads:
+            result.kv_loads = [LoadResult(t.request_id, 0, len(t.block_ids)) for t in plan.tier_loads]
+        if saves:
+            result.kv_saves = [SaveResult(t.request_id, len(t.block_ids), 0) for t in plan.tier_saves]
+        return result
 
     def collect(self, step: PendingStep) -> StepResult:
         """Wait for a submitted step's tokens (and every earlier step's) -> its StepResult, with
         the kvstore fetches that ended meanwhile (a plan with nothing to run, sent only to hear
         about them, waits a few ms for one)."""
         result = self._collect(step)
-        if self.tiers is not None and (self.tiers.loads_in_flight or self.tiers.has_done):
-            result.kv_loads = [*result.kv_loads, *self.tiers.take_loads(0.005 if not step.scheduled else 0.0)]
+        tiers = self.tiers
+        if tiers is not None and (tiers.busy or tiers.has_done):
+            if not step.scheduled and not tiers.has_done:
+                tiers.wait_done(0.005)
+            result.kv_loads = [*result.kv_loads, *tiers.take_loads()]
+            result.kv_saves = [*result.kv_saves, *tiers.take_saves()]
         return result
 
     def _collect(self, step: PendingStep) -> StepResult:

@@ -136,6 +136,8 @@ def _fill_result(msg: pb.step.StepResult, result: StepResult) -> None:
     for r in result.kv_loads:
         msg.kv_loads.add(request_id=r.request_id, num_loaded=r.num_loaded, num_requested=r.num_requested,
                          bytes=r.bytes, duration_ns=r.duration_ns)
+    for r in result.kv_saves:
+        msg.kv_saves.add(request_id=r.request_id, num_blocks=r.num_blocks, num_saved=r.num_saved)
 
 
 def _fill_prompt_logprobs(field, lps) -> None:

@@ -95,7 +95,7 @@ class Driver:
         if len(self.inflight) < self.depth and s.has_work():
             plan = s.schedule()
             # With kvstore fetches under way an empty plan still goes: its result reports them.
-            if not plan.is_empty() or (s.loading and not self.inflight):
+            if not plan.is_empty() or ((s.loading or s.handoffs) and not self.inflight):
                 self.plans.append(plan)
                 self.inflight.append((plan, self.worker.run(plan)))  # the worker runs plans in order
                 if len(self.inflight) < self.depth:

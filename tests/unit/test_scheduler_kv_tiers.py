@@ -201,3 +201,92 @@ def test_many_requests_sharing_a_stored_prefix_on_a_small_pool():
     assert outputs == expect
     check_invariants(s)
     assert s.pool.num_free == 24 and not s.loading
+
+
+# ---- prefill/decode hand-off (docs/pd.md) ---------------------------------------------------
+
+@dataclass
+class Saved:
+    request_id: str
+    num_blocks: int
+    num_saved: int
+
+
+class SavingWorker(TierWorker):
+    """Reports each plan's saves with the next result, as the real worker's saver does."""
+
+    def __init__(self, store, drop: bool = False) -> None:
+        super().__init__(store)
+        self._saves: list[Saved] = []
+        self.drop = drop
+
+    def run(self, plan):
+        reports, self._saves = self._saves, [Saved(t.request_id, len(t.block_ids), 0 if self.drop else len(t.block_ids))
+                                             for t in plan.tier_saves]
+        result = super().run(plan)
+        result.kv_saves = reports
+        return result
+
+
+def test_prefill_only_then_decode_elsewhere_gives_the_colocated_output():
+    store: dict = {}
+    p = prompt(21, 45)                                   # 11 full blocks + 1
+    want = solo(p, 6)
+    pre, wp = make(kv_tier=True), SavingWorker(store)
+    r = Request("a", list(p), 6)
+    r.prefill_only = True
+    pre.add_request(r)
+    answer_lookups(pre, store)
+    first = drive(pre, wp)[0]["a"]
+    assert first == want[:1]                             # one token, then the hand-off
+    assert not pre.requests and pre.pool.num_free == 64 and len(store) == 11
+    # The end of the prefill-only request carries how many blocks the store holds.
+    pre2, wp2 = make(kv_tier=True), SavingWorker(store)
+    r2 = Request("b", list(p), 6)
+    r2.prefill_only = True
+    pre2.add_request(r2)
+    answer_lookups(pre2, store)
+    seen = []
+    for _ in range(50):
+        if not pre2.has_work():
+            break
+        plan = pre2.schedule()
+        seen += pre2.update(plan, wp2.run(plan))
+    handoff = [o for o in seen if o.handoff_blocks >= 0]
+    assert len(handoff) == 1 and handoff[0].handoff_blocks == 11 and handoff[0].finish_reason == "length"
+    # The decode engine: the first token as a resumed output, the blocks named by the hand-off.
+    dec, wd = make(kv_tier=True), SavingWorker(store)
+    r3 = Request("c", list(p), 6)
+    r3.append_output(first[0])
+    r3.handoff, r3.kv_tier_blocks = True, 11
+    dec.add_request(r3)
+    assert not dec.take_lookups()                        # no lookup: the hand-off said how many
+    outs, _, plans = drive(dec, wd)
+    assert first + outs["c"] == want
+    new = next(x for pl in plans for x in pl.new_requests if x.request_id == "c")
+    assert new.num_computed_tokens == 44 and new.num_output_tokens == 1
+
+
+def test_dropped_saves_hand_off_nothing_and_a_failing_policy_fails_the_decode():
+    store: dict = {}
+    p = prompt(22, 33)
+    pre, wp = make(kv_tier=True), SavingWorker(store, drop=True)
+    r = Request("a", list(p), 4)
+    r.prefill_only = True
+    pre.add_request(r)
+    answer_lookups(pre, store)
+    seen = []
+    for _ in range(50):
+        if not pre.has_work():
+            break
+        plan = pre.schedule()
+        seen += pre.update(plan, wp.run(plan))
+    assert [o.handoff_blocks for o in seen if o.handoff_blocks >= 0] == [0]
+    dec = Scheduler(SchedulerConfig(max_model_len=256, block_size=BS, kv_tier=True, kv_load_failure_policy="fail"),
+                    64, frozenset({EOS}), VOCAB)
+    r2 = Request("b", list(p), 4)
+    r2.append_output(seen[0].new_token_ids[0])
+    r2.handoff, r2.kv_tier_blocks = True, 8               # claims blocks the store does not have
+    dec.add_request(r2)
+    outs, reasons, _ = drive(dec, SavingWorker({}))
+    assert reasons["b"] == "error" and dec.pool.num_free == 64

@@ -75,6 +75,7 @@ class EnginePool:
         self._background: set[asyncio.Task] = set()
         self.retries = 0                            # requests moved before their first token
         self.routed: dict[str, int] = {}            # route reason -> count
+        self.handoffs: dict[str, int] = {}          # prefill -> decode hand-offs, by outcome (docs/pd.md)
 
     # --- membership ----------------------------------------------------------------------
 
@@ -93,6 +94,7 @@ class EnginePool:
                                       replica_id=spec.replica_id,
                                       credentials=self._credentials)
                 client.on_lost_before_first_token = self._retry
+                client.on_handoff = self._continue_on_decode
                 replica = self._replicas[addr] = Replica(spec, client)
                 if self._started:
                     client.start()
@@ -133,23 +135,35 @@ class EnginePool:
 
     # --- requests ------------------------------------------------------------------------
 
-    def _routable_loads(self) -> tuple[dict[str, Replica], list[ReplicaLoad]]:
-        by_id = {r.spec.replica_id: r for r in self._replicas.values() if r.routable}
+    def _routable_loads(self, role: str | None = None) -> tuple[dict[str, Replica], list[ReplicaLoad]]:
+        """Routable replicas (with `role`: only those whose engine has that kv_role)."""
+        by_id = {r.spec.replica_id: r for r in self._replicas.values()
+                 if r.routable and (role is None or r.client.info.kv_role == role)}
         return by_id, [ReplicaLoad(rid, r.client.outstanding_tokens) for rid, r in by_id.items()]
+
+    def _disaggregated(self) -> bool:
+        """Prefill/decode disaggregation (docs/pd.md): a prefill and a decode engine are routable."""
+        roles = {r.client.info.kv_role for r in self._replicas.values() if r.routable}
+        return "prefill" in roles and "decode" in roles
 
     def submit(self, request_id: str, prompt_ids: Sequence[int],
                sampling: "pb.common.SamplingParams", *, cache_salt: str = "",
                priority: int = 0) -> RequestHandle:
         tried: list[str] = []
+        # Disaggregated: the prompt goes to a prefill engine (prefix-aware, least loaded) as
+        # prefill-only; its first token streams from there and the rest from a decode engine.
+        role, handoff = (("prefill", pb.engine.KvHandoff(prefill_only=True))
+                         if self._disaggregated() and sampling.max_tokens > 1 else (None, None))
         while True:
-            by_id, loads = self._routable_loads()
+            by_id, loads = self._routable_loads(role)
             decision = self.router.choose(loads, prompt_ids, exclude=tried)
             if decision is None:
                 raise ApiError("unavailable", "no engine replica is ready to take requests "
                                f"({self.describe()}); try again shortly")
             try:
                 handle = by_id[decision.replica_id].client.submit(
-                    request_id, prompt_ids, sampling, cache_salt=cache_salt, priority=priority)
+                    request_id, prompt_ids, sampling, cache_salt=cache_salt, priority=priority,
+                    kv_handoff=handoff)
             except ApiError as err:
                 if err.kind != "unavailable":
                     raise
@@ -159,10 +173,21 @@ class EnginePool:
             return handle
 
     def _retry(self, handle: RequestHandle) -> bool:
-        """A replica failed `handle` before its first token: try it on another one."""
+        """A replica failed `handle` before its first token: try it on another one (a
+        prefill-only request on another prefill engine; with none, on any engine, computing
+        the whole request itself)."""
         if len(handle.tried) >= self.max_attempts:
             return False
-        by_id, loads = self._routable_loads()
+        role = None
+        if handle.prefill_phase:
+            role = "prefill" if self._routable_loads("prefill")[1] else None
+            if role is None:
+                handle.submit_msg.ClearField("kv_handoff")
+                handle.prefill_phase = False
+                self._count_handoff("prefill_lost_computed_whole")
+            else:
+                self._count_handoff("prefill_lost_retried")
+        by_id, loads = self._routable_loads(role)
         decision = self.router.choose(loads, handle.prompt_token_ids, exclude=handle.tried)
         if decision is None or not by_id[decision.replica_id].client.adopt(handle):
             log.warning("request %s: replica %s failed it before its first token and no "
@@ -172,6 +197,30 @@ class EnginePool:
         log.warning("request %s: replica %s failed it before its first token; resubmitted "
                     "to %s", handle.request_id, handle.tried[-2], decision.replica_id)
         return True
+
+    def _count_handoff(self, outcome: str) -> None:
+        self.handoffs[outcome] = self.handoffs.get(outcome, 0) + 1
+
+    def _continue_on_decode(self, handle: RequestHandle, blocks: int) -> bool:
+        """A prefill engine is done with `handle`: submit the rest to the decode engine with the
+        least outstanding work (least KV in use), with its tokens so far and the number of
+        prompt blocks the kvstore holds for it (0: the decode engine recomputes the prompt).
+        With no decode engine routable, any engine takes it (the prefill one keeps the prompt's
+        blocks cached, so this costs one lookup)."""
+        sub = pb.engine.EngineSubmit()
+        sub.CopyFrom(handle.submit_msg)
+        sub.kv_handoff.Clear()
+        sub.kv_handoff.resume_token_ids.extend(handle.generated_ids)
+        sub.kv_handoff.num_kv_blocks = blocks
+        sub.sampling.ClearField("prompt_logprobs")   # delivered with the first token already
+        for role in ("decode", None):
+            by_id, loads = self._routable_loads(role)
+            for load in sorted(loads, key=lambda x: x.outstanding_tokens):
+                if by_id[load.replica_id].client.continue_request(handle, sub):
+                    self._count_handoff(("kvstore" if blocks else "recompute") if role else "colocated_fallback")
+                    return True
+        self._count_handoff("no_engine")
+        return False
 
     async def reset_prefix_cache(self, timeout_s: float, tiers: bool = False) -> list[dict]:
         """Engine.ResetPrefixCache on every replica at once: one outcome per replica.

@@ -44,6 +44,9 @@ class EngineClient:
         # Called for each request whose engine failed it before any token (stream lost, or
         # the scheduler's UNAVAILABLE): returns True when it resubmitted it elsewhere.
         self.on_lost_before_first_token: Callable[[RequestHandle], bool] | None = None
+        # Prefill/decode disaggregation (docs/pd.md): a prefill-only request whose prefill is
+        # done (or whose prefill engine was lost after its first token) goes on elsewhere.
+        self.on_handoff: Callable[[RequestHandle, int], bool] | None = None
         self._close_reason = ""
         self.tokenizer = tokenizer
         self.max_inflight_requests = max_inflight_requests
@@ -82,7 +85,7 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_ids: Sequence[int],
                sampling: "pb.common.SamplingParams", *, cache_salt: str = "",
-               priority: int = 0) -> RequestHandle:
+               priority: int = 0, kv_handoff: "pb.engine.KvHandoff | None" = None) -> RequestHandle:
         if not self.connected:
             raise ApiError("unavailable", "the engine is not reachable; try again shortly")
         if request_id in self._requests:
@@ -93,7 +96,7 @@ class EngineClient:
                            f"too many requests in flight ({self.max_inflight_requests})")
         submit = pb.engine.EngineSubmit(request_id=request_id, prompt_token_ids=prompt_ids,
                                         sampling=sampling, cache_salt=cache_salt,
-                                        priority=priority)
+                                        priority=priority, kv_handoff=kv_handoff)
         if telemetry.ENABLED:  # the current request span becomes the scheduler's parent
             tp, ts = telemetry.traceparent_of(telemetry.current_span())
             if tp:
@@ -112,6 +115,38 @@ class EngineClient:
         handle.reset_for_resubmit()
         self._enqueue(handle)
         return True
+
+    def continue_request(self, handle: RequestHandle, submit: "pb.engine.EngineSubmit") -> bool:
+        """Take over a request a prefill engine handed off (docs/pd.md): same handle, same
+        Detokenize state, the decode engine's submit. False if this replica can't."""
+        if (not self.connected or handle.request_id in self._requests
+                or len(self._requests) >= self.max_inflight_requests):
+            return False
+        handle.moved_to(self)
+        handle.submit_msg = submit
+        handle.engine_done = False
+        self._enqueue(handle)
+        return True
+
+    def hand_over(self, handle: RequestHandle) -> None:
+        """The prefill engine is done with `handle` (every output of it delivered): it leaves
+        this client and goes on on a decode engine, or ends with an error if none takes it."""
+        rid = handle.request_id
+        if self._requests.get(rid) is not handle:
+            return
+        del self._requests[rid]
+        self._pending_submits.pop(rid, None)
+        self._pipeline.discard(rid)
+        self._release(handle)
+        handle.prefill_phase = False
+        blocks, handle.handoff = handle.handoff or 0, None
+        if self.on_handoff is None or not self.on_handoff(handle, blocks):
+            handle.fail(ApiError("unavailable", "no engine replica could take the request after its prefill"))
+            if handle.close_detokenize():
+                item = pb.tokenizer.DetokenizeItem(request_id=rid, finished=True)
+                task = asyncio.create_task(self.tokenizer.detokenize([item]))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     def abort(self, request_id: str, error: ApiError | None = None) -> bool:
         """Stop a request: drop it here, tell the engine and the detokenizer. Idempotent."""
@@ -221,9 +256,14 @@ class EngineClient:
         return False
 
     def _hand_off_or_fail(self, error: ApiError) -> None:
-        """The stream is gone: requests with no token yet may go elsewhere, the rest fail
+        """The stream is gone: requests with no token yet may go elsewhere, a prefill-only one
+        past its first token goes on to decode (which recomputes the prompt), the rest fail
         now (an error event, never a hang)."""
         for rid, handle in list(self._requests.items()):
+            if handle.prefill_phase and handle.streamed and handle.generated_ids and not handle.finished:
+                handle.handoff = 0
+                self.hand_over(handle)
+                continue
             if not self._hand_off(handle):
                 self.abort(rid, error)
 
@@ -304,6 +344,22 @@ class EngineClient:
                 handle = requests.get(rid)
                 if handle is None or handle.engine_done:
                     continue  # stopped here already (stop string, disconnect): drop
+                if handle.prefill_phase and out.HasField("handoff"):
+                    # The prefill engine's end (docs/pd.md): not the request's. Delivered like a
+                    # token-less output; the pipeline hands the request over once it is.
+                    handle.handoff = out.handoff.num_kv_blocks
+                    handle.engine_done = True
+                    out.finish_reason = unspecified
+                    if handle.timing is not None:
+                        handle.timing.on_output(out, 0)
+                        handle.timing.on_handoff()
+                    out.ClearField("timing")
+                    outs = unsent.get(rid)
+                    if outs is None:
+                        unsent[rid] = [out]
+                    else:
+                        outs.append(out)
+                    continue
                 if out.new_token_ids:
                     handle.streamed = True
                 elif (out.finish_reason == error_reason and out.error.code == unavailable

@@ -33,6 +33,7 @@ class MergedOutput:
 
     __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "error",
                  "num_cached_tokens", "stop_token_id", "timing", "prompt_logprobs")
+    is_handoff = False
 
     def __init__(self, outs: list) -> None:
         last = outs[-1]
@@ -53,6 +54,11 @@ class MergedOutput:
                 self.num_cached_tokens = o.num_cached_tokens
 
 
+def rid_done(out, unsent: dict) -> bool:
+    """Every output the prefill engine sent for this request has been delivered."""
+    return out.request_id not in unsent
+
+
 class RequestsOwner(Protocol):
     """What the pipeline needs of the engine client whose requests it delivers."""
 
@@ -61,6 +67,8 @@ class RequestsOwner(Protocol):
     def abort(self, request_id: str, error: ApiError | None = None) -> bool: ...
 
     def release_finished(self, handle: RequestHandle) -> None: ...
+
+    def hand_over(self, handle: RequestHandle) -> None: ...
 
 
 class OutputPipeline:
@@ -156,3 +164,5 @@ class OutputPipeline:
                 owner.outstanding_tokens -= used
                 if handle.finished:
                     owner.release_finished(handle)  # a stop string: it aborts it in the engine
+                elif handle.handoff is not None and rid_done(out, self.unsent):
+                    owner.hand_over(handle)          # its prefill engine is done: on to decode

@@ -39,7 +39,14 @@ class PoolCollector:
                                       "requests resubmitted to another replica because theirs "
                                       "failed or stopped taking work before their first token")
         retried.add_metric([], self.pool.retries)
-        yield from (routable, outstanding, inflight, routed, retried)
+        handoffs = CounterMetricFamily(PREFIX + "gateway_pd_handoffs",
+                                       "prefill -> decode hand-offs (docs/pd.md), by outcome: kvstore (blocks "
+                                       "loaded), recompute (none saved), colocated_fallback (no decode engine), "
+                                       "prefill_lost_retried, prefill_lost_computed_whole, no_engine",
+                                       labels=["outcome"])
+        for outcome, n in sorted(self.pool.handoffs.items()):
+            handoffs.add_metric([outcome], n)
+        yield from (routable, outstanding, inflight, routed, retried, handoffs)
 
 
 def register(pool) -> None:

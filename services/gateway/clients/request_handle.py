@@ -80,6 +80,11 @@ class RequestHandle:
         self.cost_left = self.cost_tokens     # what the current replica still counts for it
         self.engine_done = False              # the engine will send nothing more
         self.streamed = False                 # the engine sent at least one token
+        # Prefill/decode disaggregation (docs/pd.md): on a prefill engine until `handoff` (the
+        # blocks it saved) arrives; its tokens so far go to the decode engine as resume tokens.
+        self.prefill_phase = submit_msg.kv_handoff.prefill_only
+        self.handoff: int | None = None
+        self.generated_ids: list[int] = []
         self._client = client
         self._prefix = list(submit_msg.prompt_token_ids[-DETOKENIZE_PREFIX_TOKENS:])
         self._skip_special = sampling.skip_special_tokens
@@ -179,6 +184,8 @@ class RequestHandle:
         """The detokenized `text` of `out` (a pb.engine.RequestOutput or a MergedOutput):
         count its tokens, match stop strings, and queue its Delta if it has one."""
         self.num_completion_tokens += len(out.new_token_ids)
+        if self.prefill_phase:
+            self.generated_ids.extend(out.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         matcher = self._matcher
         text = matcher.feed(text)

@@ -11,6 +11,7 @@ class RequestStatus(enum.Enum):
     LOOKUP = "lookup"      # asking the kvstore how much of its prompt it holds (not queued yet)
     LOADING = "loading"    # admitted, its blocks filling from the kvstore (not scheduled yet)
     RUNNING = "running"
+    HANDOFF = "handoff"    # prefill-only: first token out, waiting for its blocks' saves (docs/pd.md)
     FINISHED = "finished"
 
 
@@ -50,6 +51,14 @@ class Request:
     tier_load: tuple[int, int] = (0, 0)
     num_saved_blocks: int = 0
     dropped: bool = False                     # finished while LOADING: blocks freed when the fetch ends
+    # Prefill/decode disaggregation (docs/pd.md): a prefill-only request ends after its first
+    # token once every save batch of its prompt reported; saved_blocks counts the leading blocks
+    # saved whole (a batch that lost any ends the count), handoff_ns when its first token left.
+    prefill_only: bool = False
+    pending_saves: int = 0
+    saved_blocks: int = 0
+    saves_broken: bool = False
+    handoff: bool = False                     # a decode engine's request: its prompt was prefilled elsewhere
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0                # leading blocks registered in the prefix cache

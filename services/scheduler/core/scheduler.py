@@ -40,6 +40,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_spec_tokens: int = 0           # speculative decoding: most draft tokens per decode step (0: off)
     kv_tier: bool = False              # a kvstore (tier 2): look prompts up, fetch and save blocks
+    # A hand-off (docs/pd.md) whose blocks do not all arrive: recompute them, or fail the request.
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
@@ -49,6 +51,8 @@ class SchedulerConfig:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
 
 
 class Scheduler:
@@ -76,6 +80,7 @@ class Scheduler:
         self.lookups: dict[str, Request] = {}
         self.lookup_outbox: list[tuple[str, list[bytes]]] = []
         self.loading: dict[str, Request] = {}
+        self.handoffs: dict[str, Request] = {}   # prefill-only, first token out, saves not all reported
         self.tier_stats = {"host_hit_blocks": 0, "kvstore_lookups": 0, "kvstore_found_blocks": 0,
                            "kvstore_loaded_blocks": 0, "kvstore_failed_blocks": 0, "kvstore_saved_blocks": 0}
 
@@ -96,7 +101,9 @@ class Scheduler:
         self._arrivals += 1
         req.arrival_seq = self._arrivals
         self.requests[req.request_id] = req
-        if self.kv_tier and not req.wants_prompt_logprobs:
+        if req.handoff and req.kv_tier_blocks >= 0:
+            pass   # a hand-off names its blocks: no lookup (docs/pd.md)
+        elif self.kv_tier and not req.wants_prompt_logprobs:
             hashes = self.kv.prompt_hashes(req)
             if hashes and self.kv.local_prefix_blocks(req) < len(hashes):
                 # More of the prompt than this engine holds: ask the kvstore first (not queued).
@@ -136,11 +143,13 @@ class Scheduler:
             return (f"the prompt has {n} tokens but the model's context length is {cfg.max_model_len}; "
                     "shorten the prompt")
         if self.vocab_size is not None:
-            bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+            bad = next((t for t in req.all_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 return f"token id {bad} is out of range [0, {self.vocab_size})"
         if req.max_tokens < 1:
             return f"malformed submit: max_tokens must be resolved to at least 1, got {req.max_tokens}"
+        if len(req.output_token_ids) >= req.max_tokens:
+            return f"malformed hand-off: {len(req.output_token_ids)} tokens already sampled of max_tokens {req.max_tokens}"
         # +1: with async scheduling a request may hold a slot for one token past its stop.
         if self.kv.blocks_for(min(n + req.max_tokens + 1, cfg.max_model_len)) > self.pool.num_blocks:
             # It could never run to completion even alone: better to say so now.
@@ -167,7 +176,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or len(self.waiting) or self._pending_finished_ids or self._pending_outputs
-                    or self.loading)
+                    or self.loading or self.handoffs)
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         out, self._pending_outputs = self._pending_outputs, []
@@ -327,7 +336,8 @@ class Scheduler:
         self.tier_stats["host_hit_blocks"] += num_host
         if req.num_preemptions == 0:
             req.num_cached_prompt_tokens = (num_device + num_host) * self.config.block_size
-        req.num_saved_blocks = max(req.num_saved_blocks, num_device + num_host)
+        if not req.prefill_only:   # a hand-off saves every block: the decode engine fetches them all
+            req.num_saved_blocks = max(req.num_saved_blocks, num_device + num_host)
 
     def _plan_save(self, plan: StepPlan, req: Request) -> None:
         """Full prompt blocks this step completes go to the kvstore after its forward (once)."""
@@ -339,6 +349,7 @@ class Scheduler:
         plan.tier_saves.append(TierBlocks(req.request_id, req.block_ids[start:full], hashes[start:full]))
         self.tier_stats["kvstore_saved_blocks"] += full - start
         req.num_saved_blocks = full
+        req.pending_saves += 1
 
     def _on_kv_loads(self, results) -> None:
         """Ended kvstore fetches: the loaded prefix counts as computed, the rest is recomputed."""
@@ -354,18 +365,30 @@ class Scheduler:
             ok = max(0, min(r.num_loaded, count))
             self.tier_stats["kvstore_loaded_blocks"] += ok
             self.tier_stats["kvstore_failed_blocks"] += count - ok
+            if ok < count and req.handoff and self.config.kv_load_failure_policy == "fail":
+                self.requests.pop(req.request_id, None)
+                req.status = RequestStatus.FINISHED
+                self.kv.free(req)
+                self._pending_outputs.append(RequestOutput(
+                    req.request_id, [], FinishReason.ERROR, "unavailable",
+                    f"the prefilled KV did not arrive ({ok} of {count} blocks) and "
+                    "--kv-load-failure-policy is fail", num_prompt_tokens=len(req.prompt_token_ids)))
+                continue
+            if not req.prefill_only:
+                req.num_saved_blocks = max(req.num_saved_blocks, start + ok)
             req.num_computed_tokens = (start + ok) * bs
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = req.num_computed_tokens
-            req.num_saved_blocks = max(req.num_saved_blocks, start + ok)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
     # ---- results ------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        outputs = self.take_pending_outputs()
         if result.kv_loads:
             self._on_kv_loads(result.kv_loads)
+        if result.kv_saves:
+            self._on_kv_saves(result.kv_saves)
+        outputs = self.take_pending_outputs()
         sampled = {s.request_id: s for s in result.sampled}
         requests, incarnations = self.requests, plan.incarnations
         running = RequestStatus.RUNNING
@@ -410,8 +433,42 @@ class Scheduler:
             if req.wants_prompt_logprobs and s.prompt_logprobs:
                 req.prompt_logprobs.extend(s.prompt_logprobs)
             if s.token_ids:
-                outputs.append(self._append_tokens(req, s))
+                out = self._append_tokens(req, s)
+                outputs.append(out)
+                if req.prefill_only and out.finish_reason is None:
+                    self._to_handoff(req, outputs)
         return outputs
+
+    # ---- prefill/decode hand-off (docs/pd.md) ---------------------------------------------
+    def _to_handoff(self, req: Request, outputs: list[RequestOutput]) -> None:
+        """A prefill-only request's first token is out: it runs no more here and ends once the
+        saves of its prompt blocks all reported (its blocks stay held until then)."""
+        self.running.remove(req)
+        req.status = RequestStatus.HANDOFF
+        self.handoffs[req.request_id] = req
+        if not req.pending_saves:
+            self._end_handoff(req, outputs)
+
+    def _end_handoff(self, req: Request, outputs: list[RequestOutput]) -> None:
+        del self.handoffs[req.request_id]
+        outputs.append(RequestOutput(req.request_id, [], FinishReason.LENGTH,
+                                     num_prompt_tokens=len(req.prompt_token_ids),
+                                     num_cached_tokens=req.num_cached_prompt_tokens,
+                                     handoff_blocks=req.saved_blocks))
+        self._finish(req)
+
+    def _on_kv_saves(self, results) -> None:
+        for r in results:
+            req = self.requests.get(r.request_id)
+            if req is None or not req.prefill_only or req.pending_saves <= 0:
+                continue
+            req.pending_saves -= 1
+            if r.num_saved < r.num_blocks:
+                req.saves_broken = True
+            elif not req.saves_broken:
+                req.saved_blocks += r.num_blocks
+            if not req.pending_saves and req.status is RequestStatus.HANDOFF:
+                self._end_handoff(req, self._pending_outputs)
 
     def _append_tokens(self, req: Request, s, finish: bool = True) -> RequestOutput:
         """Append one step's tokens (one, or a speculative step's accepted drafts and one more),
@@ -450,6 +507,7 @@ class Scheduler:
         for req in self.loading.values():   # its fetches ended with it
             self.kv.free(req)
         self.loading.clear()
+        self.handoffs.clear()
         return outputs
 
     def _finish(self, req: Request) -> None:
@@ -460,6 +518,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is RequestStatus.LOOKUP:
             del self.lookups[req.request_id]
+        elif req.status is RequestStatus.HANDOFF:
+            self.handoffs.pop(req.request_id, None)
         if req.status is RequestStatus.LOADING:
             req.dropped = True   # the worker writes its blocks until it reports the fetch
         else:

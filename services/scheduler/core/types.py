@@ -86,8 +86,10 @@ class StepResult:
     step_id: int
     sampled: list[SampledTokens] = field(default_factory=list)
     error: str | None = None      # a failed step fails its requests, not the engine
-    # Ended kvstore fetches (objects with request_id, num_loaded, num_requested: KvLoadResult).
+    # Ended kvstore fetches (objects with request_id, num_loaded, num_requested: KvLoadResult)
+    # and saves (request_id, num_blocks, num_saved: KvSaveResult), in plan order.
     kv_loads: list[Any] = field(default_factory=list)
+    kv_saves: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -103,6 +105,8 @@ class RequestOutput:
     stop_token_id: int = -1
     # The whole prompt's, on the first-token output only (a shared empty default: no list per output).
     prompt_logprobs: Sequence[Any] = ()
+    # A prefill-only request's end: the leading prompt blocks the kvstore holds (-1: not one).
+    handoff_blocks: int = -1
     # Set by the adapter on the first-token and finishing outputs (the core has no clock):
     # RequestTiming stamps (queued, first scheduled, first token, finished), Unix ns, 0 = not yet.
     timing: tuple[int, int, int, int] | None = None

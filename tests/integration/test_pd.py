@@ -1,0 +1,145 @@
+"""Prefill/decode disaggregation on a real mesh (docs/pd.md): `meshllm serve --prefill-replicas 1
+--decode-replicas 1` (SmolLM2), compared token for token with the colocated session mesh (same
+weights). The prefill engine streams the first token and saves the prompt's blocks to the
+kvstore; the decode engine loads them (the client sees it in cached_tokens) and streams the
+rest. Then the failures: the kvstore killed (the decode engine recomputes), the prefill engine
+killed during a long prefill (the request completes elsewhere), a client leaving mid-hand-off
+(both engines end idle)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import grpc
+import httpx
+import pytest
+
+from services.common import pb
+from tests.integration.meshproc import alive, service_name, start_mesh
+from tests.integration.test_kv_tiers import passage
+from tests.integration.test_supervisor_failures import replicas, wait_recovered
+
+
+@pytest.fixture(scope="module")
+def pd(smollm2_dir):
+    m = start_mesh(str(smollm2_dir), "--prefill-replicas", "1", "--decode-replicas", "1", "--max-model-len", "2048",
+                   "--max-num-seqs", "32")
+    m.seen = set(m.service_pids())
+    yield m
+    m.seen |= set(m.service_pids())
+    assert m.stop() == 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in m.seen):
+        time.sleep(0.2)
+    assert not [p for p in m.seen if alive(p)], "services left running after the mesh stopped"
+
+
+def complete(m, prompt: str, **extra) -> dict:
+    body = {"model": m.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0, "return_token_ids": True,
+            **extra}
+    r = httpx.post(f"{m.http_url}/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ids(body: dict, i: int = 0) -> list[int]:
+    return body["choices"][i]["token_ids"]
+
+
+def load(m, replica: str) -> "pb.engine.LoadInfo":
+    with grpc.insecure_channel(replicas(m)[replica].addr) as ch:
+        return pb.engine_grpc.EngineStub(ch).GetLoad(pb.engine.GetLoadRequest(), timeout=10)
+
+
+def test_the_replicas_have_roles(pd):
+    rs = replicas(pd)
+    assert (rs["engine-0"].role, rs["engine-1"].role) == ("prefill", "decode")
+
+
+def test_greedy_outputs_match_a_colocated_mesh_and_the_kv_was_handed_over(pd, mesh):
+    prompts = [passage(200 + i, 60 + 25 * i) for i in range(5)]
+    for p in prompts:
+        got, want = complete(pd, p), complete(mesh, p)
+        assert ids(got) == ids(want)
+        n = got["usage"]["prompt_tokens"]
+        # The decode engine loaded every full block: it computed only the last partial one.
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16, got["usage"]
+    text = httpx.get(f"{pd.http_url}/metrics", timeout=10).text
+    assert 'meshllm:gateway_pd_handoffs_total{outcome="kvstore"}' in text
+
+
+def test_sixteen_concurrent_requests_match_the_colocated_mesh(pd, mesh):
+    prompts = [passage(300 + i, 40 + 7 * i) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(lambda p: ids(complete(pd, p)), prompts))
+    want = [ids(complete(mesh, p)) for p in prompts]
+    assert got == want
+
+
+def test_seeded_sampling_logprobs_n_and_stop_strings_match(pd, mesh):
+    p = passage(400, 80)
+    seeded = {"temperature": 0.9, "seed": 1234, "max_tokens": 12}
+    assert ids(complete(pd, p, **seeded)) == ids(complete(mesh, p, **seeded))
+    lp_pd, lp_co = complete(pd, p, logprobs=2), complete(mesh, p, logprobs=2)
+    a, b = lp_pd["choices"][0]["logprobs"], lp_co["choices"][0]["logprobs"]
+    assert a["tokens"] == b["tokens"]
+    assert [round(x, 3) for x in a["token_logprobs"]] == [round(x, 3) for x in b["token_logprobs"]]
+    three = complete(pd, p, n=3, temperature=0.8, seed=5)
+    assert len(three["choices"]) == 3 and all(len(ids(three, i)) == 10 for i in range(3))
+    full = complete(mesh, p, max_tokens=10)["choices"][0]["text"]
+    stop = full.strip().split()[1] if len(full.strip().split()) > 1 else full[:3]
+    cut = complete(pd, p, stop=[stop])
+    assert cut["choices"][0]["finish_reason"] == "stop" and stop not in cut["choices"][0]["text"]
+
+
+def test_timing_has_the_kv_transfer_and_clients_cannot_pass_transfer_parameters(pd):
+    body = complete(pd, passage(500, 120), return_timing=True)
+    timing = body["timing"]
+    assert timing["kv_transfer_ms"] > 0 and timing["prefill_ms"] > 0
+    r = httpx.post(f"{pd.http_url}/v1/completions", timeout=30, json={
+        "model": pd.model_name, "prompt": "hi", "max_tokens": 3,
+        "kv_transfer_params": {"remote_engine_id": "engine-1", "remote_block_ids": [1, 2]}})
+    assert r.status_code == 400 and "kv_transfer_params" in r.text
+
+
+def test_a_client_leaving_during_the_hand_off_leaves_both_engines_idle(pd):
+    body = {"model": pd.model_name, "prompt": passage(600, 300), "max_tokens": 200, "stream": True}
+    with httpx.Client(timeout=120) as c, c.stream("POST", f"{pd.http_url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                break   # the first token: the hand-off is under way; leave
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [load(pd, e) for e in ("engine-0", "engine-1")]
+        if all(x.num_running == 0 and x.num_waiting == 0 and x.kv_usage == 0.0 for x in loads):
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)
+
+
+def test_the_kvstore_killed_makes_the_decode_engine_recompute_with_the_same_output(pd, mesh):
+    kv = replicas(pd)["kvstore-0"]
+    os.kill(kv.pids[0], signal.SIGKILL)
+    prompts = [passage(700 + i, 90) for i in range(3)]
+    for p in prompts:
+        assert ids(complete(pd, p)) == ids(complete(mesh, p))
+    wait_recovered(pd, "kvstore-0", kv.restarts)
+    pd.seen |= set(pd.service_pids())
+
+
+def test_the_prefill_engine_killed_during_a_long_prefill_still_completes(pd, mesh):
+    p = passage(800, 1400)            # a long prompt: its prefill takes seconds on the CPU
+    want = ids(complete(mesh, p))
+    engine = replicas(pd)["engine-0"]
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(complete, pd, p)
+        time.sleep(0.8)
+        worker = next(pid for pid in engine.pids if service_name(pid) == "worker")
+        os.kill(worker, signal.SIGKILL)
+        got = fut.result(timeout=180)
+    assert ids(got) == want
+    wait_recovered(pd, "engine-0", engine.restarts)
+    pd.seen |= set(pd.service_pids())
