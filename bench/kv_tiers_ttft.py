@@ -17,7 +17,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.common.ports import free_port  # noqa: E402
+from bench import meshrun  # noqa: E402
 
 ADMIN = "bench-admin-key-0001"
 HDR = {"Authorization": f"Bearer {ADMIN}"}
@@ -43,23 +42,8 @@ def passage(seed: int, words: int) -> str:
 
 
 def start(model_dir: str) -> tuple[subprocess.Popen, str, str]:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="meshllm-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", model_dir, "--port", str(port),
-                             "--grpc-port", str(free_port()), "--data-parallel-size", "2", "--max-model-len", "8192",
-                             "--max-num-batched-tokens", "2048", "--kv-tier-capacity-gb", "2",
-                             "--admin-api-key", ADMIN], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and "meshllm services:" in open(log.name).read():
-                return proc, url, log.name
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the mesh did not start: see {log.name}")
-        time.sleep(0.5)
+    return meshrun.start(model_dir, "--data-parallel-size", "2", "--max-model-len", "8192",
+                         "--max-num-batched-tokens", "2048", "--kv-tier-capacity-gb", "2", "--admin-api-key", ADMIN)
 
 
 def only(url: str, replica: str) -> None:
@@ -122,8 +106,7 @@ def main() -> int:
             rows.append({"cold": cold, "kvstore_other_replica": tier, "local_prefix_hit": local})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        meshrun.stop(proc)
     med = {k: statistics.median(r[k]["ttft_ms"] for r in rows) for k in rows[0]}
     # SmolLM2 on the CPU: float32 KV, 30 layers x (K, V) x 3 heads x 64 = 46 KiB per token.
     loaded_bytes = statistics.median(r["kvstore_other_replica"]["cached_tokens"] for r in rows) * 30 * 2 * 3 * 64 * 4

@@ -70,6 +70,8 @@ class MeshConfig:
     prefill_replicas: int = 0
     decode_replicas: int = 0
     kv_load_failure_policy: str = "recompute"
+    kv_handoff: str = "direct"             # direct (peer worker's mapped cache) or kvstore
+    kv_lease_s: float = 30.0               # direct: a hand-off's blocks held at most this long
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -106,12 +108,16 @@ class MeshConfig:
             if self.data_parallel_size > 1:
                 raise ValueError("--data-parallel-size (colocated engines) and --prefill-replicas / "
                                  "--decode-replicas (disaggregated ones) are alternatives: give one")
-            if not (self.kv_tier or self.kvstore_addr):
-                raise ValueError("prefill/decode disaggregation hands the KV over through the kvstore: "
+            if self.kv_handoff == "kvstore" and not (self.kv_tier or self.kvstore_addr):
+                raise ValueError("--kv-handoff kvstore hands the KV over through the kvstore: "
                                  "drop --no-kv-tier or give --kvstore-addr")
             self.data_parallel_size = self.prefill_replicas + self.decode_replicas
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("--kv-load-failure-policy must be recompute or fail")
+        if self.kv_handoff not in ("direct", "kvstore"):
+            raise ValueError("--kv-handoff must be direct or kvstore")
+        if self.kv_lease_s <= 0:
+            raise ValueError("--kv-lease-s must be positive")
         if self.progress_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("--progress-timeout-s and --shutdown-grace-s must be positive")
         if self.tensor_parallel_size < 1:
@@ -260,6 +266,7 @@ class Mesh:
             *(["--quantization", c.quantization] if c.quantization != "none" else []),
             *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
             *(["--kv-offload-gb", str(c.kv_offload_gb)] if c.kv_offload_gb else []),
+            *(["--kv-export"] if role and c.kv_handoff == "direct" else []),
             *(["--kv-load-timeout-ms", str(c.kv_load_timeout_ms)] if self.kvstore_address else []),
             "--served-model-name", c.served_model_name, *engine_args,
             *(["--tensor-parallel-size", str(c.tensor_parallel_size)] if c.tensor_parallel_size > 1 else []),
@@ -277,7 +284,8 @@ class Mesh:
             "--scheduling-policy", c.scheduling_policy,
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
             "--async-scheduling" if c.async_scheduling else "--no-async-scheduling", *engine_args,
-            *(["--kv-role", role, "--kv-load-failure-policy", c.kv_load_failure_policy] if role else [])],
+            *(["--kv-role", role, "--kv-load-failure-policy", c.kv_load_failure_policy,
+               "--kv-lease-s", str(c.kv_lease_s)] if role else [])],
             replica=f"scheduler{suffix}", health_addr=f"127.0.0.1:{e.scheduler_health_port}",
             health_service="scheduler")
         return pb.supervisor.ReplicaSpec(

@@ -75,6 +75,11 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
                    help="engines that take hand-offs from the prefill engines and stream the rest of each answer")
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="a hand-off whose KV does not arrive: the decode engine recomputes the prompt, or fails")
+    p.add_argument("--kv-handoff", default="direct", choices=["direct", "kvstore"],
+                   help="how prefill engines hand KV to decode engines: direct (the decode worker copies the "
+                        "blocks out of the prefill worker's cache: same host, memfd / CUDA IPC) or kvstore")
+    p.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="direct hand-offs: the prefill engine holds the blocks at most this long for the decode one")
     p.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer replicas (the gateway fails over)")
     p.add_argument("--progress-timeout-s", type=float, default=30.0,
                    help="an engine with work pending and no step completed this long reports not ready "
@@ -137,7 +142,8 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       kv_tier_disk_gb=a.kv_tier_disk_gb, kv_tier_backend=a.kv_tier_backend,
                       kvstore_addr=a.kvstore_addr, kv_offload_gb=a.kv_offload_gb,
                       kv_load_timeout_ms=a.kv_load_timeout_ms, prefill_replicas=a.prefill_replicas,
-                      decode_replicas=a.decode_replicas, kv_load_failure_policy=a.kv_load_failure_policy)
+                      decode_replicas=a.decode_replicas, kv_load_failure_policy=a.kv_load_failure_policy,
+                      kv_handoff=a.kv_handoff, kv_lease_s=a.kv_lease_s)
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:

@@ -34,6 +34,7 @@ class SchedulerServiceConfig:
     num_spec_tokens: int = 0          # from it: the most draft tokens per decode step
     kv_role: str = ""                 # "prefill" / "decode" / "" both (docs/pd.md): in EngineInfo
     kv_load_failure_policy: str = "recompute"   # a hand-off's KV missing: recompute or fail
+    kv_lease_s: float = 30.0          # direct hand-offs: blocks held for the decode side at most this long
 
     def __post_init__(self) -> None:
         from services.common.spec_config import parse_spec_config
@@ -62,3 +63,5 @@ class SchedulerServiceConfig:
             raise ValueError(f"--kv-role must be prefill, decode or empty, got {self.kv_role!r}")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("--kv-load-failure-policy must be recompute or fail")
+        if self.kv_lease_s <= 0:
+            raise ValueError("--kv-lease-s must be positive")

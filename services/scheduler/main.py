@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
                         "'' (default): both (colocated). Any engine serves hand-offs either way")
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="a hand-off whose KV does not arrive: recompute the prompt here, or fail the request")
+    p.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="direct hand-offs: a prefill-only request's blocks are held for the decode engine until "
+                        "it has copied them or this long has passed")
     internal_tls.add_flags(p)
     p.add_argument("--zmq-curve-secret-key", default="",
                    help="CURVE on the worker link: this scheduler's secret key file (NAME.key_secret)")
@@ -71,7 +74,7 @@ def parse_args(argv: list[str] | None) -> SchedulerServiceConfig:
                                       health_port=a.health_port, progress_timeout_s=a.progress_timeout_s,
                                       shutdown_grace_s=a.shutdown_grace_s, kvstore_addr=a.kvstore_addr,
                                       speculative_config=a.speculative_config, kv_role=a.kv_role,
-                                      kv_load_failure_policy=a.kv_load_failure_policy)
+                                      kv_load_failure_policy=a.kv_load_failure_policy, kv_lease_s=a.kv_lease_s)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -67,6 +67,8 @@ class Engine:
         self._kv_threads = ThreadPoolExecutor(4, thread_name_prefix="kv-lookup") if self.kv is not None else None
         self._lookups_done: list[tuple[str, int, int, int]] = []   # (request id, found, start ns, end ns)
         self._loads_started: dict[str, int] = {}                   # request id -> when its fetch was planned
+        self._leases: dict[str, float] = {}     # direct hand-offs held here: request id -> monotonic start
+        self.leases_expired = 0
 
     # ---- worker link ------------------------------------------------------------------------
     async def connect_worker(self) -> None:
@@ -96,8 +98,9 @@ class Engine:
                 self.metrics = EngineMetrics(model_name, self.config.engine_id)
                 ENGINE_STATE.engines[(model_name, self.config.engine_id)] = self
             self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(info.eos_token_ids), info.vocab_size,
-                                  num_host_blocks=info.num_host_kv_blocks)
+                                  num_host_blocks=info.num_host_kv_blocks, export_addr=info.kv_export_addr)
             self._loads_started.clear()
+            self._leases.clear()
             self.health.set_ready(True)
             self.vitals.set_worker(True, "ready")
             log.info("worker ready: %d KV blocks of %d tokens, max_model_len %d, device %s",
@@ -155,6 +158,19 @@ class Engine:
         if self.kv is not None:
             self._kv_lookups()
 
+    def _expire_leases(self) -> None:
+        """Direct hand-offs the decode side never released within --kv-lease-s: free their blocks."""
+        now, core = time.time_ns(), self.core
+        for rid, deadline in list(self._leases.items()):
+            if rid not in core.leases:
+                del self._leases[rid]   # released (or failed) already
+            elif now >= deadline:
+                del self._leases[rid]
+                core.abort([rid])
+                self.leases_expired += 1
+                log.warning("request %s: hand-off lease expired after %.0fs; its blocks are freed",
+                            rid, self.config.kv_lease_s)
+
     # ---- tier 2 -------------------------------------------------------------------------
     def _kv_lookups(self) -> None:
         """Send the core's kvstore lookups to threads and hand their answers back to it."""
@@ -196,6 +212,10 @@ class Engine:
         per_stream: dict[int, list[RequestOutput]] = {}
         metrics, now, generated = self.metrics, time.monotonic_ns(), 0
         for out in outputs:
+            if out.handoff_peer:   # a direct hand-off: its blocks are held here until released or expired
+                out.handoff_deadline_ns = time.time_ns() + int(self.config.kv_lease_s * 1e9)
+                self._leases[out.request_id] = out.handoff_deadline_ns
+                asyncio.get_running_loop().call_later(self.config.kv_lease_s + 0.05, self._wake.set)
             key = self._owner.get(out.request_id)
             live = self._live.get(out.request_id)
             n = len(out.new_token_ids)
@@ -252,6 +272,8 @@ class Engine:
         while not self._stopping:
             self._drain_inbox()
             self._run_flushes()
+            if self._leases:
+                self._expire_leases()
             self.vitals.note_pending(bool(inflight) or self.core.has_work())
             if len(inflight) < depth and self.core.has_work():
                 plan = self.core.schedule()

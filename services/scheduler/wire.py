@@ -23,6 +23,11 @@ def request_from_submit(msg: pb.engine.EngineSubmit) -> Request:
                 req.append_output(t)
             req.handoff = True
             req.kv_tier_blocks = max(0, h.num_kv_blocks)
+            if h.peer and len(h.src_block_ids) >= req.kv_tier_blocks:   # direct (docs/pd.md)
+                req.peer, req.src_block_ids = h.peer, list(h.src_block_ids)
+                req.lease_deadline_ns = h.lease_deadline_unix_ns
+            elif h.peer:
+                req.kv_tier_blocks = 0   # malformed: recompute
         return req
     return _request(msg, sp)
 
@@ -72,7 +77,9 @@ def plan_to_proto(plan: StepPlan) -> pb.step.WorkerRequest:
         for b, slot in plan.host_loads:
             msg.host_loads.add(block_id=b, slot=slot)
         for t in plan.tier_loads:
-            msg.tier_loads.add(request_id=t.request_id, block_ids=t.block_ids, block_hashes=t.block_hashes)
+            msg.tier_loads.add(request_id=t.request_id, block_ids=t.block_ids, block_hashes=t.block_hashes,
+                               peer=t.peer, src_block_ids=t.src_block_ids,
+                               lease_deadline_unix_ns=t.lease_deadline_ns)
         for t in plan.tier_saves:
             msg.tier_saves.add(request_id=t.request_id, block_ids=t.block_ids, block_hashes=t.block_hashes)
     return pb.step.WorkerRequest(plan=msg)
@@ -100,6 +107,10 @@ def outputs_to_proto(step_id: int, outputs: list[RequestOutput]) -> pb.engine.Ou
             ro.num_cached_tokens = o.num_cached_tokens
         if o.handoff_blocks >= 0:
             ro.handoff.num_kv_blocks = o.handoff_blocks
+            if o.handoff_peer:
+                ro.handoff.peer = o.handoff_peer
+                ro.handoff.block_ids.extend(o.handoff_block_ids)
+                ro.handoff.lease_deadline_unix_ns = o.handoff_deadline_ns
         if o.logprobs:
             ro.logprobs.extend(o.logprobs)
         if o.prompt_logprobs:

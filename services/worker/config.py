@@ -53,6 +53,8 @@ class WorkerConfig:
     kv_offload_gb: float = 0.0         # tier 1: host memory for blocks the device cache evicts (0: off)
     kv_load_timeout_ms: float = 2000.0 # a kvstore fetch not done by then is cut short (recomputed)
     kv_save_buffer_mb: float = 256.0   # host buffers of saves in flight (past them saves are dropped)
+    kv_export: bool = False            # direct hand-offs (docs/pd.md): a KV cache peers can map, and map theirs
+    bound_grpc_addr: str = ""          # set once the gRPC port is bound (its WorkerControl: ExportKv)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "config.json")):

@@ -19,6 +19,15 @@ class WorkerControlServicer(pb.control_grpc.WorkerControlServicer):
         """`profiler`: a StepProfiler; None with `refusal`: every StartProfile is refused."""
         self._profiler = profiler
         self._refusal = refusal
+        # Direct KV hand-offs (kv_export.py): set once the runner holds an exported cache.
+        self.kv_export = None
+
+    async def ExportKv(self, request, context):
+        describe = self.kv_export
+        if describe is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker exports no KV cache (start it with --kv-export)")
+        return describe()
 
     async def StartProfile(self, request, context):
         if self._profiler is None:

@@ -41,6 +41,8 @@ class TierConfig:
     make_namespace: object | None = None   # block_size, block_bytes -> KvNamespace
     load_timeout_s: float = 2.0            # --kv-load-timeout-ms
     save_buffer_bytes: int = 256 << 20     # host buffers of saves not yet put (pinned on a GPU)
+    direct: bool = False                   # copy handed-off blocks from peer workers (kv_export.py)
+    peer_credentials: object | None = None # internal mTLS for their WorkerControl
 
 
 class _Buffers:
@@ -88,6 +90,10 @@ class KvTiers:
         self.namespace = (cfg.make_namespace(block_size, self.block_bytes)
                           if self.client is not None and cfg.make_namespace is not None else None)
         self.stats = collections.Counter()   # host_offload/host_load blocks and seconds (metrics)
+        self.peers = None
+        if cfg.direct:
+            from services.worker.kv_export import Peers
+            self.peers = Peers(cfg.peer_credentials, tuple(kv_caches[0].shape), kv_caches[0].dtype, self.device)
         self._jobs: collections.deque = collections.deque()
         self._done: collections.deque = collections.deque()
         self._saved: collections.deque = collections.deque()   # SaveResults, in submission order
@@ -97,15 +103,17 @@ class KvTiers:
         self._saver = None
         self._save_bufs = None
         self._thread = None
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         if self.namespace is not None:
             from services.common.kv_saver import KvSaver
             self._saver = KvSaver(self.client, max_pending_bytes=max(cfg.save_buffer_bytes, self.block_bytes))
             self._save_bufs = _Buffers(self.block_shape, max(1, cfg.save_buffer_bytes // self.block_bytes), self.cuda)
-            self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if self.namespace is not None or self.peers is not None:
             self._thread = threading.Thread(target=self._fetch_loop, name="kv-tier-fetch", daemon=True)
             self._thread.start()
-        log.info("KV tiers: host pool %d blocks (%.2f GiB), kvstore %s", self.num_slots,
-                 self.num_slots * self.block_bytes / 2**30, "on" if self.namespace is not None else "off")
+        log.info("KV tiers: host pool %d blocks (%.2f GiB), kvstore %s, direct hand-offs %s", self.num_slots,
+                 self.num_slots * self.block_bytes / 2**30, "on" if self.namespace is not None else "off",
+                 "on" if self.peers is not None else "off")
 
     # ---- checks (before anything of a plan is applied) -----------------------------------
     def check(self, plan) -> None:
@@ -116,7 +124,11 @@ class KvTiers:
                 if not 0 <= slot < self.num_slots:
                     raise PlanError(f"KV tier copy: host slot {slot} outside [0, {self.num_slots})")
         for t in (*plan.tier_loads, *plan.tier_saves):
-            if len(t.block_ids) != len(t.block_hashes):
+            if t.peer:
+                if len(t.src_block_ids) != len(t.block_ids):
+                    raise PlanError(f"request {t.request_id}: {len(t.block_ids)} block ids, "
+                                    f"{len(t.src_block_ids)} peer block ids")
+            elif len(t.block_ids) != len(t.block_hashes):
                 raise PlanError(f"request {t.request_id}: {len(t.block_ids)} block ids, {len(t.block_hashes)} hashes")
             if any(not 0 <= b < self.num_blocks for b in t.block_ids):
                 raise PlanError(f"request {t.request_id}: a tier block id outside [0, {self.num_blocks})")
@@ -184,7 +196,7 @@ class KvTiers:
     # ---- tier 2: fetches -----------------------------------------------------------------
     def start_loads(self, loads: list[TierBlocks]) -> None:
         for t in loads:
-            if self.namespace is None or not t.block_ids:
+            if (self.peers is None if t.peer else self.namespace is None) or not t.block_ids:
                 self._done.append(LoadResult(t.request_id, 0, len(t.block_ids), 0, 0))
                 continue
             with self._cond:
@@ -223,8 +235,10 @@ class KvTiers:
 
     def _fetch_loop(self) -> None:
         per_chunk = max(1, _LOAD_CHUNK_BYTES // self.block_bytes)
-        staging = torch.empty((per_chunk, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
-        dests = [b.numpy() for b in staging.unbind(0)]
+        staging = dests = None
+        if self.namespace is not None:
+            staging = torch.empty((per_chunk, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+            dests = [b.numpy() for b in staging.unbind(0)]
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
@@ -244,7 +258,40 @@ class KvTiers:
                 self._busy -= 1
                 self._cond.notify_all()
 
+    def _fetch_direct(self, job: TierBlocks, deadline: float) -> int:
+        """Copy a hand-off's blocks out of the peer worker's cache (mapped memfd or CUDA IPC), all of
+        it before the peer's lease on them ends (after it, they may hold another request's KV)."""
+        margin = 50_000_000   # 50 ms
+        if job.lease_deadline_ns and time.time_ns() >= job.lease_deadline_ns - margin:
+            log.warning("direct hand-off from %s: its lease ended before the copy began", job.peer)
+            return 0
+        try:
+            peer = self.peers.get(job.peer)
+        except Exception as exc:  # noqa: BLE001 - unreachable or not comparable: recompute
+            log.warning("direct hand-off from %s failed: %s", job.peer, exc)
+            self.peers.forget(job.peer)
+            return 0
+        if any(not 0 <= b < peer.num_blocks for b in job.src_block_ids):
+            log.warning("direct hand-off from %s names blocks outside its cache", job.peer)
+            return 0
+        src = torch.tensor(list(job.src_block_ids), dtype=torch.long, device=self.device)
+        dst = self._index(job.block_ids)
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                for v, p in zip(self.views, peer.layers):
+                    v.index_copy_(1, dst, p.view(torch.uint8).index_select(1, src))
+            self._stream.synchronize()
+        else:
+            for v, p in zip(self.views, peer.layers):
+                v.index_copy_(1, dst, p.view(torch.uint8).index_select(1, src))
+        if time.monotonic() > deadline or (job.lease_deadline_ns and time.time_ns() >= job.lease_deadline_ns):
+            return 0   # too late: what was copied may not be the handed-off KV (recomputed)
+        self.stats["direct_blocks"] += len(job.block_ids)
+        return len(job.block_ids)
+
     def _fetch(self, job: TierBlocks, deadline: float, staging, dests, per_chunk: int) -> int:
+        if job.peer:
+            return self._fetch_direct(job, deadline)
         loaded = 0
         n = len(job.block_ids)
         while loaded < n and time.monotonic() < deadline:
@@ -326,6 +373,8 @@ class KvTiers:
 
     def close(self) -> None:
         self.drain()
+        if self.peers is not None:
+            self.peers.close()
         with self._cond:
             self._closed = True
             self._cond.notify_all()

@@ -45,7 +45,10 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
                          num_kv_blocks=cfg.num_kv_blocks or None, block_size=cfg.block_size,
                          enforce_eager=cfg.enforce_eager, kv_cache_dtype=cfg.kv_torch_dtype,
                          seed_rng=tp.seed_rng if tp is not None else None,
-                         tokenizer_path=os.path.join(cfg.model, "tokenizer.json"))
+                         tokenizer_path=os.path.join(cfg.model, "tokenizer.json"),
+                         export_kv=cfg.kv_export and cfg.tensor_parallel_size == 1)
+    if runner.exported is not None:
+        runner.kv_export_addr = cfg.bound_grpc_addr
     runner.constraints.warm()   # structured outputs' tokenizer, built in the background now
     tiers = tier_config(cfg, runner)
     if tiers is not None:
@@ -91,10 +94,12 @@ def tier_config(cfg: WorkerConfig, runner: ModelRunner):
                                         block_size=block_size, num_layers=runner.model.cfg.num_layers,
                                         tp_size=cfg.tensor_parallel_size, tp_rank=cfg.tp_rank,
                                         block_bytes=block_bytes, layout=LAYOUT, fingerprint=fingerprint)
-    if client is None and cfg.kv_offload_gb <= 0:
+    direct = cfg.kv_export and cfg.tensor_parallel_size == 1
+    if client is None and cfg.kv_offload_gb <= 0 and not direct:
         return None
     return TierConfig(offload_bytes=int(cfg.kv_offload_gb * 2**30), client=client, make_namespace=make_ns,
-                      load_timeout_s=cfg.kv_load_timeout_ms / 1e3, save_buffer_bytes=int(cfg.kv_save_buffer_mb * 2**20))
+                      load_timeout_s=cfg.kv_load_timeout_ms / 1e3, save_buffer_bytes=int(cfg.kv_save_buffer_mb * 2**20),
+                      direct=direct, peer_credentials=cfg.internal_tls.channel_credentials() if direct else None)
 
 
 def model_source(cfg: WorkerConfig) -> RunnerSource:
@@ -108,5 +113,12 @@ def model_source(cfg: WorkerConfig) -> RunnerSource:
             raise LoadFailed(str(exc)) from None
         tp = TpLink(cfg)
     profiler = StepProfiler(cfg.profile_dir, cfg.rank_device)
-    return RunnerSource(load=lambda: load_model_runner(cfg, tp), control=WorkerControlServicer(profiler),
+    control = WorkerControlServicer(profiler)
+
+    def load():
+        runner = load_model_runner(cfg, tp)
+        if runner.exported is not None:   # peers may map it from now on (WorkerControl.ExportKv)
+            control.kv_export = runner.exported.describe
+        return runner
+    return RunnerSource(load=load, control=control,
                         profiler=profiler, tp=tp, stop_ranks=None if ranks is None else ranks.stop)

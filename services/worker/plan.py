@@ -96,6 +96,9 @@ class TierBlocks:
     request_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
+    peer: str = ""                  # a direct hand-off: copy src_block_ids of this peer worker (kv_export.py)
+    src_block_ids: list[int] | tuple = ()
+    lease_deadline_ns: int = 0      # ... over before this Unix time, or it counts as failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,3 +210,4 @@ class WorkerInfo:
     device: str
     num_host_kv_blocks: int = 0     # tier-1 slots (--kv-offload-gb)
     kv_namespace: object | None = None   # kv.proto KvNamespace when it fetches and saves via a kvstore
+    kv_export_addr: str = ""        # its WorkerControl address when peers may map its KV cache

@@ -115,8 +115,12 @@ class ModelRunner:
                  num_kv_blocks: int | None = None, block_size: int = 16,
                  enforce_eager: bool = False, max_num_tokens: int = 16384,
                  seed_rng: random.Random | None = None, kv_cache_dtype: torch.dtype | None = None,
-                 tokenizer_path: str | None = None) -> None:
+                 tokenizer_path: str | None = None, export_kv: bool = False) -> None:
         self.model = model
+        # Direct hand-offs (kv_export.py): the cache in memory a peer worker can map.
+        self.export_kv = export_kv
+        self.exported = None
+        self.kv_export_addr = ""
         # Structured outputs need the model's tokenizer.json (None: constrained requests end at once).
         self.constraints = Constraints(tokenizer_path, tuple(model.cfg.eos_token_ids), model.cfg.vocab_size,
                                        model_name)
@@ -167,12 +171,18 @@ class ModelRunner:
             self.tiers.close()
             self.tiers = None
         self.kv_caches = []  # free the old cache before allocating the new one
+        self.exported = None
         self.gpu = None      # its graphs point into the old cache
         shape = self.model.kv_cache_shape(num_blocks, block_size)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN garbage there
         # would leak through the masked softmax.
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
-                          for _ in range(self.model.cfg.num_layers)]
+        if self.export_kv:
+            from services.worker.kv_export import ExportedCache
+            self.exported = ExportedCache(self.model.cfg.num_layers, shape, self.kv_dtype, self.model.device)
+            self.kv_caches = self.exported.layers
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
+                              for _ in range(self.model.cfg.num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
         if self.model.device.type == "cuda":
             # imports triton: GPU only
@@ -215,7 +225,8 @@ class ModelRunner:
         return WorkerInfo(self.num_blocks, self.block_size, self.model.max_model_len, cfg.vocab_size,
                           tuple(cfg.eos_token_ids), self.model_name, describe_device(self.model.device),
                           tiers.num_slots if tiers is not None else 0,
-                          tiers.namespace if tiers is not None else None)
+                          tiers.namespace if tiers is not None else None,
+                          self.kv_export_addr if self.exported is not None else "")
 
     # ---- plan validation and application --------------------------------------------------
     def _check_blocks(self, rid: str, block_ids) -> None:

@@ -91,7 +91,8 @@ def plan_from_proto(msg: pb.step.StepPlan, vocab_size: int) -> StepPlan:
 
 
 def _tier_blocks(t: pb.step.KvTierBlocks) -> TierBlocks:
-    return TierBlocks(t.request_id, list(t.block_ids), list(t.block_hashes))
+    return TierBlocks(t.request_id, list(t.block_ids), list(t.block_hashes), t.peer, list(t.src_block_ids),
+                      t.lease_deadline_unix_ns)
 
 
 def request_from_bytes(payload: bytes, vocab_size: int) -> Hello | StepPlan:
@@ -165,7 +166,7 @@ def info_to_proto(info: WorkerInfo) -> pb.step.WorkerInfo:
     msg = pb.step.WorkerInfo(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
                              max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                              eos_token_ids=info.eos_token_ids, model_name=info.model_name, device=info.device,
-                             num_host_kv_blocks=info.num_host_kv_blocks)
+                             num_host_kv_blocks=info.num_host_kv_blocks, kv_export_addr=info.kv_export_addr)
     if info.kv_namespace is not None:
         msg.kv_namespace.CopyFrom(info.kv_namespace)
     return msg

@@ -46,6 +46,7 @@ async def open_endpoints(cfg, log, control=None):
         from services.worker.control import add_to_server
         add_to_server(server, control)
     port = bind(server, f"{cfg.host}:{cfg.grpc_port}", cfg.internal_tls.server_credentials())
+    cfg.bound_grpc_addr = f"{cfg.host}:{port}"   # where peers ask for its KV export (kv_export.py)
     await server.start()
     ctx = LinkContext()
     try:

@@ -1,10 +1,12 @@
 """Prefill/decode disaggregation on a real mesh (docs/pd.md): `meshllm serve --prefill-replicas 1
 --decode-replicas 1` (SmolLM2), compared token for token with the colocated session mesh (same
-weights). The prefill engine streams the first token and saves the prompt's blocks to the
-kvstore; the decode engine loads them (the client sees it in cached_tokens) and streams the
-rest. Then the failures: the kvstore killed (the decode engine recomputes), the prefill engine
-killed during a long prefill (the request completes elsewhere), a client leaving mid-hand-off
-(both engines end idle)."""
+weights). The prefill engine streams the first token; the decode engine gets the prompt's blocks
+(the client sees it in cached_tokens) and streams the rest. Both hand-off paths: direct (the
+decode worker copies the blocks out of the prefill worker's mapped cache; the default) and
+through the kvstore (`--kv-handoff kvstore`). Then the failures: the decode side too late for
+its lease (the prefill engine frees the blocks, the decode engine recomputes), the kvstore
+killed, the prefill engine killed during a long prefill, a client leaving mid-hand-off (both
+engines end idle)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,18 +25,37 @@ from tests.integration.test_kv_tiers import passage
 from tests.integration.test_supervisor_failures import replicas, wait_recovered
 
 
-@pytest.fixture(scope="module")
-def pd(smollm2_dir):
+LEASE_S = 3
+
+
+def _pd_mesh(smollm2_dir, *extra):
     m = start_mesh(str(smollm2_dir), "--prefill-replicas", "1", "--decode-replicas", "1", "--max-model-len", "2048",
-                   "--max-num-seqs", "32")
+                   "--max-num-seqs", "32", *extra)
     m.seen = set(m.service_pids())
-    yield m
+    return m
+
+
+def _stop(m) -> None:
     m.seen |= set(m.service_pids())
     assert m.stop() == 0
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(p) for p in m.seen):
         time.sleep(0.2)
     assert not [p for p in m.seen if alive(p)], "services left running after the mesh stopped"
+
+
+@pytest.fixture(scope="module")
+def pd(smollm2_dir):
+    m = _pd_mesh(smollm2_dir, "--kv-lease-s", str(LEASE_S))
+    yield m
+    _stop(m)
+
+
+@pytest.fixture(scope="module")
+def pd_kvstore(smollm2_dir):
+    m = _pd_mesh(smollm2_dir, "--kv-handoff", "kvstore")
+    yield m
+    _stop(m)
 
 
 def complete(m, prompt: str, **extra) -> dict:
@@ -59,16 +80,20 @@ def test_the_replicas_have_roles(pd):
     assert (rs["engine-0"].role, rs["engine-1"].role) == ("prefill", "decode")
 
 
-def test_greedy_outputs_match_a_colocated_mesh_and_the_kv_was_handed_over(pd, mesh):
-    prompts = [passage(200 + i, 60 + 25 * i) for i in range(5)]
+def check_handed_over(m, mesh, path: str, seed: int) -> None:
+    prompts = [passage(seed + i, 60 + 25 * i) for i in range(5)]
     for p in prompts:
-        got, want = complete(pd, p), complete(mesh, p)
+        got, want = complete(m, p), complete(mesh, p)
         assert ids(got) == ids(want)
         n = got["usage"]["prompt_tokens"]
-        # The decode engine loaded every full block: it computed only the last partial one.
+        # The decode engine got every full block: it computed only the last partial one.
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16, got["usage"]
-    text = httpx.get(f"{pd.http_url}/metrics", timeout=10).text
-    assert 'meshllm:gateway_pd_handoffs_total{outcome="kvstore"}' in text
+    text = httpx.get(f"{m.http_url}/metrics", timeout=10).text
+    assert f'meshllm:gateway_pd_handoffs_total{{outcome="{path}"}} 5.0' in text, text[-600:]
+
+
+def test_greedy_outputs_match_a_colocated_mesh_and_the_kv_was_handed_over_directly(pd, mesh):
+    check_handed_over(pd, mesh, "direct", 200)
 
 
 def test_sixteen_concurrent_requests_match_the_colocated_mesh(pd, mesh):
@@ -120,14 +145,27 @@ def test_a_client_leaving_during_the_hand_off_leaves_both_engines_idle(pd):
         time.sleep(0.2)
 
 
-def test_the_kvstore_killed_makes_the_decode_engine_recompute_with_the_same_output(pd, mesh):
-    kv = replicas(pd)["kvstore-0"]
-    os.kill(kv.pids[0], signal.SIGKILL)
-    prompts = [passage(700 + i, 90) for i in range(3)]
-    for p in prompts:
-        assert ids(complete(pd, p)) == ids(complete(mesh, p))
-    wait_recovered(pd, "kvstore-0", kv.restarts)
-    pd.seen |= set(pd.service_pids())
+def test_a_decode_engine_too_late_for_its_lease_recomputes_and_the_blocks_are_freed(pd, mesh):
+    p = passage(650, 200)
+    want = ids(complete(mesh, p))
+    decode = replicas(pd)["engine-1"]
+    worker = next(pid for pid in decode.pids if service_name(pid) == "worker")
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        os.kill(worker, signal.SIGSTOP)   # the decode engine plans the copy; its worker runs it too late
+        try:
+            fut = ex.submit(complete, pd, p)
+            deadline = time.monotonic() + 30
+            while load(pd, "engine-0").kv_usage == 0.0:   # the prefill engine holds the blocks ...
+                assert time.monotonic() < deadline, "no hand-off was held"
+                time.sleep(0.1)
+            while load(pd, "engine-0").kv_usage > 0.0:    # ... until its lease expires
+                assert time.monotonic() < deadline, "the lease never expired"
+                time.sleep(0.2)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        got = fut.result(timeout=120)
+    assert ids(got) == want
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0   # the copy was refused: recomputed
 
 
 def test_the_prefill_engine_killed_during_a_long_prefill_still_completes(pd, mesh):
@@ -143,3 +181,17 @@ def test_the_prefill_engine_killed_during_a_long_prefill_still_completes(pd, mes
     assert ids(got) == want
     wait_recovered(pd, "engine-0", engine.restarts)
     pd.seen |= set(pd.service_pids())
+
+
+def test_greedy_outputs_match_through_the_kvstore(pd_kvstore, mesh):
+    check_handed_over(pd_kvstore, mesh, "kvstore", 250)
+
+
+def test_the_kvstore_killed_makes_the_decode_engine_recompute_with_the_same_output(pd_kvstore, mesh):
+    kv = replicas(pd_kvstore)["kvstore-0"]
+    os.kill(kv.pids[0], signal.SIGKILL)
+    prompts = [passage(700 + i, 90) for i in range(3)]
+    for p in prompts:
+        assert ids(complete(pd_kvstore, p)) == ids(complete(mesh, p))
+    wait_recovered(pd_kvstore, "kvstore-0", kv.restarts)
+    pd_kvstore.seen |= set(pd_kvstore.service_pids())

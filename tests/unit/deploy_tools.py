@@ -27,6 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_DIR = DEPLOY / "compose"
 ENVOY_DIR = COMPOSE_DIR / "envoy"
+PD_ENVOY_DIR = ENVOY_DIR / "pd"  # the sidecar configs only docker-compose.pd.yml uses
 K8S_DIR = DEPLOY / "k8s"
 XDS_REQUIREMENTS = ROOT / "requirements-deploy-test.txt"
 K8S_VERSION = "1.37.0"  # the Kubernetes release whose schemas the manifests must satisfy
@@ -121,14 +122,43 @@ def envoy_configs() -> dict[str, dict]:
     return {p.stem: yaml.safe_load(p.read_text()) for p in sorted(ENVOY_DIR.glob("*.yaml"))}
 
 
-def envoy_generator():
-    """deploy/compose/envoy/generate.py as a module (the topology the configs are built from)."""
+def all_envoy_configs() -> dict[str, dict]:
+    """Every committed sidecar bootstrap, keyed by its path under deploy/compose/envoy
+    ("gateway.yaml", "pd/gateway.yaml", ...): what the per-config checks run over."""
+    paths = [*sorted(ENVOY_DIR.glob("*.yaml")), *sorted(PD_ENVOY_DIR.glob("*.yaml"))]
+    return {str(p.relative_to(ENVOY_DIR)): yaml.safe_load(p.read_text()) for p in paths}
+
+
+def _load_module(name: str, path: pathlib.Path):
     import importlib.util
-    spec = importlib.util.spec_from_file_location("meshllm_envoy_generate", ENVOY_DIR / "generate.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def envoy_generator():
+    """deploy/compose/envoy/generate.py as a module (the topology the configs are built from)."""
+    return _load_module("meshllm_envoy_generate", ENVOY_DIR / "generate.py")
+
+
+def envoy_pd_generator():
+    """deploy/compose/envoy/pd/generate.py as a module: the prefill/decode variant's topology
+    (HOSTS, ENGINES, CONFIG_FILES: which file each compose host's sidecar mounts)."""
+    return _load_module("meshllm_envoy_generate_pd", PD_ENVOY_DIR / "generate.py")
+
+
+def mounted_envoy_config(cfg: dict, sidecar: str) -> tuple[pathlib.Path, dict]:
+    """(file, bootstrap) of the Envoy config that compose service `sidecar` (a normalised
+    `docker-compose config`) mounts at /etc/envoy/envoy.yaml: the file that would really run."""
+    for v in cfg["services"][sidecar].get("volumes", []):
+        source, target = (v.split(":")[:2] if isinstance(v, str) else (v["source"], v["target"]))
+        if target == "/etc/envoy/envoy.yaml":
+            path = pathlib.Path(source)
+            path = path if path.is_absolute() else COMPOSE_DIR / path
+            return path, yaml.safe_load(path.read_text())
+    raise AssertionError(f"{sidecar} mounts no /etc/envoy/envoy.yaml")
 
 
 def probe_target(probe: dict) -> tuple[int, str]:

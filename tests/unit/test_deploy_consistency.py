@@ -2,7 +2,8 @@
 Kubernetes, every deployed command line parses with that service's own argument parser and
 config validation, and the ports and addresses line up across the service configs, the
 Envoy sidecars, docker-compose and the Kubernetes manifests. A change on either side that
-is not made on the other fails here."""
+is not made on the other fails here. The prefill/decode variants (docker-compose.pd.yml,
+overlays/pd) are held to the same checks, and to their roles."""
 from __future__ import annotations
 
 import importlib
@@ -13,7 +14,13 @@ import re
 import pytest
 
 from tests.unit.deploy_tools import (COMPOSE_DIR, K8S_DIR, ROOT, compose_config, envoy_configs, envoy_generator,
-                                     kustomize, probe_target)
+                                     kustomize, mounted_envoy_config, probe_target)
+
+COMPOSE_VARIANTS = {"base": ("docker-compose.yml",), "pd": ("docker-compose.yml", "docker-compose.pd.yml")}
+K8S_OVERLAYS = ("cpu", "gpu", "cpu-mtls", "pd")
+# Server services a variant deliberately does not run: prefill/decode has no supervisor (its
+# engine-1 would be a third, colocated engine the gateway does not route to).
+PARKED = {"pd": {"supervisor"}}
 
 IMAGE_PATHS = {  # paths inside the image -> what stands for them here
     "/opt/meshllm/models/smollm2-135m-instruct": "smollm2",
@@ -74,6 +81,12 @@ def hostport(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def service_identity(name: str) -> str:
+    """The identity behind a profiler target name: `tokenizer-2`, `scheduler-0`,
+    `decode-scheduler`, `prefill-scheduler-0` -> tokenizer, scheduler, scheduler, scheduler."""
+    return re.sub(r"^(prefill|decode)-", "", re.sub(r"(-\d+)+$", "", name))
+
+
 def outbound(module: str, cfg) -> list[tuple[str, str]]:
     """(address, identity expected behind it) for every peer the service calls."""
     out = []
@@ -88,7 +101,7 @@ def outbound(module: str, cfg) -> list[tuple[str, str]]:
         out.append((cfg.kvstore_addr, "kvstore"))
     elif module == "profiler":
         out += [(addr, "worker") for _, addr in cfg.workers]
-        out += [(addr, re.sub(r"(-\d+)+$", "", name)) for name, addr in cfg.services]
+        out += [(addr, service_identity(name)) for name, addr in cfg.services]
         if cfg.gateway_addr:
             out.append((cfg.gateway_addr, "gateway"))
     return out
@@ -96,20 +109,26 @@ def outbound(module: str, cfg) -> list[tuple[str, str]]:
 
 # ---- compose -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def compose():
-    return compose_config("docker-compose.yml")
-
-
-@pytest.fixture(scope="module")
-def compose_apps(compose, local_paths):
-    """compose service name -> (module, parsed config)."""
+def _compose_apps(cfg: dict, local_paths) -> dict:
+    """compose service name -> (module, parsed config), for the services `up` starts."""
     apps = {}
-    for name, svc in compose["services"].items():
-        if str(svc.get("network_mode", "")).startswith("service:"):
+    for name, svc in cfg["services"].items():
+        if str(svc.get("network_mode", "")).startswith("service:") and not svc.get("profiles"):
             module, *argv = svc["command"]
             apps[name] = (module, parse_service(module, argv, local_paths))
     return apps
+
+
+@pytest.fixture(scope="module", params=list(COMPOSE_VARIANTS))
+def variant(request, local_paths):
+    """(name, `docker-compose config`, apps) of docker-compose.yml alone and with the PD override."""
+    cfg = compose_config(*COMPOSE_VARIANTS[request.param])
+    return request.param, cfg, _compose_apps(cfg, local_paths)
+
+
+def _sidecar_config(cfg: dict, name: str) -> dict:
+    """The Envoy bootstrap compose service `name`'s sidecar really mounts."""
+    return mounted_envoy_config(cfg, cfg["services"][name]["network_mode"].removeprefix("service:"))[1]
 
 
 def _egress_map(boot: dict) -> dict[int, dict]:
@@ -143,21 +162,24 @@ def _ingress_local_ports(boot: dict) -> set[int]:
             for g in c["load_assignment"]["endpoints"] for e in g["lb_endpoints"]}
 
 
-def test_every_server_service_is_deployed_in_compose(compose_apps):
+def test_every_server_service_is_deployed_in_compose(variant):
+    which, _, compose_apps = variant
     servers = server_services()
     assert {"gateway", "tokenizer", "scheduler", "worker", "embedder"} <= servers
+    assert PARKED.get(which, set()) <= servers
     deployed = {module for module, _ in compose_apps.values()}
-    assert servers <= deployed, f"not in docker-compose.yml: {sorted(servers - deployed)}"
-    assert deployed <= servers, f"compose runs non-servers: {sorted(deployed - servers)}"
+    wanted = servers - PARKED.get(which, set())
+    assert wanted <= deployed, f"not in {which} compose: {sorted(wanted - deployed)}"
+    assert deployed <= wanted, f"{which} compose runs non-servers or parked ones: {sorted(deployed - wanted)}"
 
 
-def test_compose_services_listen_where_their_sidecars_forward(compose_apps):
+def test_compose_services_listen_where_their_sidecars_forward(variant):
     gen = envoy_generator()
-    configs = envoy_configs()
+    _, compose, compose_apps = variant
     for name, (module, cfg) in compose_apps.items():
         assert cfg.host == "127.0.0.1", f"{name} listens beyond its sidecar: {cfg.host}"
         assert grpc_port(module, cfg) == gen.APP_PORTS[module], name
-        local = _ingress_local_ports(configs[module])
+        local = _ingress_local_ports(_sidecar_config(compose, name))
         assert grpc_port(module, cfg) in local, (name, local)
         if module == "gateway":
             assert cfg.port == gen.GATEWAY_HTTP_PORT and cfg.port in local
@@ -170,20 +192,23 @@ def test_compose_services_listen_where_their_sidecars_forward(compose_apps):
             assert hostport(cfg.zmq_addr) == ("127.0.0.1", gen.WORKER_ZMQ_PORT)
 
 
-def test_compose_services_call_peers_through_sidecar_egress_to_the_right_identity(compose_apps):
+def test_compose_services_call_peers_through_sidecar_egress_to_the_right_identity(variant):
     gen = envoy_generator()
-    configs = envoy_configs()
+    _, compose, compose_apps = variant
     by_host = {name: module for name, (module, _) in compose_apps.items()}
     checked = 0
     for name, (module, cfg) in compose_apps.items():
-        egress = _egress_map(configs[module])
+        egress = _egress_map(_sidecar_config(compose, name))
         for addr, identity in outbound(module, cfg):
             host, port = hostport(addr)
             assert host == "127.0.0.1", f"{name} calls {addr} directly, not through its sidecar"
             assert port in egress, f"{name} calls {addr}, but its sidecar has no egress there"
             e = egress[port]
-            if identity == "worker-zmq":
-                assert e["san"] == "worker" and e["hosts"] == [("worker", gen.ZMQ_MESH_PORT)]
+            if identity == "worker-zmq":  # the worker of this scheduler's own engine (same engine id)
+                assert e["san"] == "worker" and len(e["hosts"]) == 1, (name, e)
+                (worker, zmq_port), = e["hosts"]
+                assert zmq_port == gen.ZMQ_MESH_PORT and by_host.get(worker) == "worker", (name, e)
+                assert compose_apps[worker][1].engine_id == cfg.engine_id, f"{name} drives {worker}, another engine"
                 continue
             if identity == "scheduler" and e["san"] == "supervisor":
                 identity = "supervisor"  # the supervisor's own engine (engine-1)
@@ -198,7 +223,8 @@ def test_compose_services_call_peers_through_sidecar_egress_to_the_right_identit
     assert checked >= 8
 
 
-def test_compose_health_checks_ask_each_service_for_its_readiness(compose, compose_apps):
+def test_compose_health_checks_ask_each_service_for_its_readiness(variant):
+    _, compose, compose_apps = variant
     for name, (module, cfg) in compose_apps.items():
         test = compose["services"][name]["healthcheck"]["test"]
         assert test == ["CMD", "meshllm", "health", "--addr", f"127.0.0.1:{grpc_port(module, cfg)}",
@@ -233,12 +259,12 @@ def test_supervisor_specs_parse_with_each_process_own_flags(where, local_paths):
 
 # ---- kubernetes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["cpu", "gpu", "cpu-mtls"])
-def k8s(request, local_paths):
-    docs = kustomize(K8S_DIR / "overlays" / request.param)
-    spec_cm = next(d for d in docs if d["kind"] == "ConfigMap"
-                   and d["metadata"]["name"].startswith("meshllm-supervisor-spec"))
-    pathlib.Path(local_paths["k8s-spec"]).write_text(spec_cm["data"]["supervisor-spec.json"])
+def _k8s(overlay: str, local_paths) -> tuple[list[dict], list]:
+    docs = kustomize(K8S_DIR / "overlays" / overlay)
+    spec_cm = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("meshllm-supervisor-spec")]
+    assert len(spec_cm) == (0 if "supervisor" in PARKED.get(overlay, ()) else 1), overlay
+    if spec_cm:
+        pathlib.Path(local_paths["k8s-spec"]).write_text(spec_cm[0]["data"]["supervisor-spec.json"])
     containers = []
     for d in docs:
         if d["kind"] in ("Deployment", "StatefulSet"):
@@ -248,15 +274,23 @@ def k8s(request, local_paths):
     return docs, containers
 
 
+@pytest.fixture(scope="module", params=K8S_OVERLAYS)
+def k8s(request, local_paths):
+    """(overlay, rendered documents, [(workload, container, module, parsed config)])."""
+    return (request.param, *_k8s(request.param, local_paths))
+
+
 def test_every_server_service_is_deployed_on_kubernetes(k8s):
-    _, containers = k8s
+    overlay, _, containers = k8s
     deployed = {module for _, _, module, _ in containers}
-    assert server_services() <= deployed, f"not in deploy/k8s: {sorted(server_services() - deployed)}"
+    wanted = server_services() - PARKED.get(overlay, set())
+    assert wanted <= deployed, f"not in deploy/k8s/overlays/{overlay}: {sorted(wanted - deployed)}"
+    assert not deployed & PARKED.get(overlay, set()), (overlay, deployed)
 
 
 def test_k8s_containers_listen_on_the_same_ports_as_compose_and_probe_them(k8s):
     gen = envoy_generator()
-    _, containers = k8s
+    _, _, containers = k8s
     for w, c, module, cfg in containers:
         where = f"{w['metadata']['name']}/{c['name']}"
         assert cfg.host == "0.0.0.0", where
@@ -288,7 +322,7 @@ def _monitoring_ports(docs, app: str) -> set[int]:
 
 
 def test_k8s_metrics_ports_are_declared_annotated_and_open_to_monitoring(k8s, local_paths):
-    docs, containers = k8s
+    _, docs, containers = k8s
     by_pod: dict[str, set[int]] = {}
     for w, c, module, cfg in containers:
         app = w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
@@ -330,7 +364,7 @@ def _resolve(docs, host: str) -> tuple[dict, int | None]:
 
 
 def test_k8s_addresses_resolve_to_services_that_reach_the_right_container(k8s):
-    docs, containers = k8s
+    _, docs, containers = k8s
     listening = []  # (pod labels, port, module)
     for w, c, module, cfg in containers:
         labels = w["spec"]["template"]["metadata"]["labels"]
@@ -358,19 +392,73 @@ def test_k8s_addresses_resolve_to_services_that_reach_the_right_container(k8s):
     assert checked >= 7
 
 
-def test_k8s_and_compose_run_the_same_services_with_the_same_flags(k8s, compose, compose_apps):
-    """Beyond addresses and devices, a service is configured alike in both."""
-    _, containers = k8s
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admitted(docs, callee: dict, caller: dict, port: int) -> bool:
+    """Whether some NetworkPolicy selecting pods labelled `callee` lets pods labelled `caller`
+    (same namespace) in on container port `port`."""
+    for pol in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        if not _matches(pol["spec"]["podSelector"], callee):
+            continue
+        for rule in pol["spec"].get("ingress", []):
+            if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+                continue
+            if not rule.get("from") or any("podSelector" in f and "namespaceSelector" not in f
+                                           and _matches(f["podSelector"], caller) for f in rule["from"]):
+                return True
+    return False
+
+
+def test_k8s_network_policies_admit_every_call_the_services_make(k8s):
+    """Every address a container dials (through its Service, to the container port behind it)
+    is let in by the callee's NetworkPolicy for the caller's pods: in overlays/pd the gateway and
+    the profiler reach both engines and both engines reach the kvstore."""
+    overlay, docs, containers = k8s
+    pods = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    checked = 0
+    for w, c, module, cfg in containers:
+        caller = w["spec"]["template"]["metadata"]["labels"]
+        for addr, identity in outbound(module, cfg):
+            if identity == "worker-zmq":  # the pod's loopback
+                continue
+            host, port = hostport(addr)
+            svc, _ = _resolve(docs, host)
+            target = next(p["targetPort"] for p in svc["spec"]["ports"] if p["port"] == port)
+            behind = [x for x in pods if all(x["spec"]["template"]["metadata"]["labels"].get(k) == v
+                                            for k, v in svc["spec"]["selector"].items())]
+            assert behind, f"{overlay}: Service {host} selects no pod"
+            for x in behind:
+                container_ports = {p["name"]: p["containerPort"] for y in x["spec"]["template"]["spec"]["containers"]
+                                   for p in y["ports"]}
+                pod_port = container_ports[target] if isinstance(target, str) else target
+                callee = x["spec"]["template"]["metadata"]["labels"]
+                assert _admitted(docs, callee, caller, pod_port), (
+                    f"{overlay}: {w['metadata']['name']}/{c['name']} dials {addr}, which the NetworkPolicies "
+                    f"of {x['metadata']['name']} do not admit on port {pod_port}")
+                checked += 1
+    assert checked >= 7
+
+
+def test_k8s_and_compose_run_the_same_services_with_the_same_flags(k8s, local_paths):
+    """Beyond addresses and devices, a service is configured alike in both (overlays/pd like
+    docker-compose.pd.yml, role by role; the others like docker-compose.yml)."""
+    overlay, _, containers = k8s
+    which = "pd" if overlay == "pd" else "base"
+    compose = compose_config(*COMPOSE_VARIANTS[which])
+    compose_apps = _compose_apps(compose, local_paths)
     ignore = re.compile(r"^--(host|tokenizer-addr|engine-addr|embedder-addr|profiler-addr|worker|service|"
                         r"gateway-addr|spec|device|kv-cache-memory-gb|engine-id|metrics-port|kvstore-addr)=")
     compose_flags = {}
-    for name, svc in compose["services"].items():
-        if name in compose_apps:
-            module, *argv = svc["command"]
-            compose_flags.setdefault(module, {a for a in argv if not ignore.match(a)})
-    for w, c, module, _ in containers:
+    for name, (module, cfg) in compose_apps.items():
+        argv = compose["services"][name]["command"][1:]
+        compose_flags.setdefault((module, getattr(cfg, "kv_role", "")), {a for a in argv if not ignore.match(a)})
+    for w, c, module, cfg in containers:
         k8s_flags = {a for a in c["args"][1:] if not ignore.match(a)}
-        assert k8s_flags == compose_flags[module], (module, k8s_flags ^ compose_flags[module])
+        key = (module, getattr(cfg, "kv_role", ""))
+        assert key in compose_flags, f"{overlay}: {key} has no counterpart in {which} compose"
+        assert k8s_flags == compose_flags[key], (overlay, key, k8s_flags ^ compose_flags[key])
 
 
 def test_the_dockerfiles_build_what_deploy_runs():
@@ -424,17 +512,17 @@ def test_the_gateway_reaches_the_supervisors_engine_and_not_the_supervisor_itsel
     assert ports == {gen.SUPERVISED_ENGINE_PORT}
 
 
-def test_tracing_settings_are_valid_and_compose_exports_through_the_sidecar(compose, compose_apps):
+def test_tracing_settings_are_valid_and_compose_exports_through_the_sidecar(variant):
     from services.common import telemetry
 
     gen = envoy_generator()
-    configs = envoy_configs()
+    _, compose, compose_apps = variant
     for name, (module, _) in compose_apps.items():
         env = {k: str(v) for k, v in compose["services"][name].get("environment", {}).items()}
         cfg = telemetry.config_from_env(module, None, None, env=env)
         host, port = hostport(cfg.endpoint.removeprefix("http://"))
         assert (host, port) == ("127.0.0.1", gen.OTLP_PORT), name
-        egress = _egress_map(configs[module])
+        egress = _egress_map(_sidecar_config(compose, name))
         assert egress[port]["hosts"] == [("otel-collector", gen.OTLP_PORT)], name
     assert "otel-collector" in compose["services"]
     docs = kustomize(K8S_DIR / "overlays" / "cpu")
@@ -501,3 +589,63 @@ def test_k8s_internal_mtls_gives_each_service_its_identity_and_certs_that_name_w
         names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
             x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
         assert host in names, f"{identity}'s certificate does not name {host}"
+
+
+# ---- prefill/decode ----------------------------------------------------------------------
+
+def test_compose_pd_runs_one_prefill_and_one_decode_engine_on_the_kvstore(local_paths):
+    """docker-compose.pd.yml, as each service's own parser reads it: one scheduler per role (the
+    hand-off recomputes when KV is missing), every scheduler and worker on the kvstore, each
+    scheduler driving its own engine's worker, and the gateway routing to both schedulers."""
+    gen = envoy_generator()
+    compose = compose_config(*COMPOSE_VARIANTS["pd"])
+    apps = _compose_apps(compose, local_paths)
+    schedulers = {n: cfg for n, (m, cfg) in apps.items() if m == "scheduler"}
+    assert sorted(cfg.kv_role for cfg in schedulers.values()) == ["decode", "prefill"], schedulers
+    assert {cfg.kv_load_failure_policy for cfg in schedulers.values()} == {"recompute"}
+    for name, (module, cfg) in apps.items():
+        if module in ("scheduler", "worker"):
+            assert hostport(cfg.kvstore_addr) == ("127.0.0.1", gen.APP_PORTS["kvstore"]), name
+    # the engine ids: one per engine (scheduler and the worker its ZMQ reaches), distinct
+    ids = {}
+    for name, cfg in schedulers.items():
+        (worker, _), = _egress_map(_sidecar_config(compose, name))[hostport(cfg.worker_addr)[1]]["hosts"]
+        assert apps[worker][1].engine_id == cfg.engine_id, (name, worker)
+        ids[cfg.kv_role] = cfg.engine_id
+    assert ids["prefill"] != ids["decode"]
+    gw_name, (_, gw) = next((n, a) for n, a in apps.items() if a[0] == "gateway")
+    egress = _egress_map(_sidecar_config(compose, gw_name))
+    reached = [egress[hostport(a)[1]]["hosts"] for a in gw.engine_addrs]
+    assert sorted(reached) == sorted([(n, gen.MESH_PORT)] for n in schedulers), reached
+    # docker-compose.yml alone stays colocated
+    base = _compose_apps(compose_config(*COMPOSE_VARIANTS["base"]), local_paths)
+    assert {cfg.kv_role for m, cfg in base.values() if m == "scheduler"} == {""}
+
+
+def test_k8s_pd_runs_one_prefill_and_one_decode_engine_on_the_kvstore(local_paths):
+    """overlays/pd, as each service's own parser reads it: the two engine StatefulSets have the
+    roles their names and pod labels say, both use the kvstore, and the gateway's engine
+    addresses reach exactly their schedulers."""
+    docs, containers = _k8s("pd", local_paths)
+    roles = {}
+    for w, c, module, cfg in containers:
+        if module in ("scheduler", "worker"):
+            assert cfg.kvstore_addr, (w["metadata"]["name"], c["name"])
+            svc, _ = _resolve(docs, hostport(cfg.kvstore_addr)[0])
+            assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "kvstore"}
+        if module == "scheduler":
+            name = w["metadata"]["name"]
+            assert w["kind"] == "StatefulSet" and w["spec"]["replicas"] == 1, name
+            assert cfg.kv_load_failure_policy == "recompute", name
+            assert w["spec"]["template"]["metadata"]["labels"]["meshllm.io/kv-role"] == cfg.kv_role, name
+            roles[name] = cfg.kv_role
+    assert roles == {"engine-prefill": "prefill", "engine-decode": "decode"}, roles
+    gw = next(cfg for _, _, m, cfg in containers if m == "gateway")
+    reached = set()
+    for addr in gw.engine_addrs:
+        svc, ordinal = _resolve(docs, hostport(addr)[0])
+        assert ordinal == 0, addr
+        reached |= {w["metadata"]["name"] for w in docs if w["kind"] == "StatefulSet"
+                    and all(w["spec"]["template"]["metadata"]["labels"].get(k) == v
+                            for k, v in svc["spec"]["selector"].items())}
+    assert reached == set(roles) and len(gw.engine_addrs) == 2, (gw.engine_addrs, reached)

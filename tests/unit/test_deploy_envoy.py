@@ -1,6 +1,7 @@
-"""The Envoy sidecar configs of deploy/compose: fresh, valid against Envoy's v3 API, and
-shaped for LLM traffic (no timeouts that cut streams, bounded public streams, retries only
-for idempotent calls, limits everywhere, admin on loopback)."""
+"""The Envoy sidecar configs of deploy/compose (docker-compose.yml's in envoy/, the ones only the
+prefill/decode variant adds in envoy/pd/): fresh, valid against Envoy's v3 API, and shaped for
+LLM traffic (no timeouts that cut streams, bounded public streams, retries only for idempotent
+calls, limits everywhere, admin on loopback)."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,8 @@ import sys
 
 import yaml
 
-from tests.unit.deploy_tools import ENVOY_DIR, ROOT, envoy_configs, envoy_generator, xds_protos_dir
+from tests.unit.deploy_tools import (ENVOY_DIR, PD_ENVOY_DIR, ROOT, all_envoy_configs, envoy_configs,
+                                     envoy_generator, envoy_pd_generator, xds_protos_dir)
 
 CHECKER = ROOT / "tests" / "unit" / "envoy_schema_check.py"
 
@@ -49,10 +51,23 @@ def test_committed_configs_are_what_the_generator_writes():
     assert gen.PROMETHEUS_PATH.read_text() == gen.prometheus_config()
 
 
+def test_committed_pd_configs_are_what_the_pd_generator_writes():
+    pd = envoy_pd_generator()
+    expected = pd.render_all()
+    on_disk = {p.name: p.read_text() for p in PD_ENVOY_DIR.glob("*.yaml")}
+    assert on_disk == expected, "deploy/compose/envoy/pd is stale: run python deploy/compose/envoy/pd/generate.py"
+    assert pd.PROMETHEUS_PATH.read_text() == pd.prometheus_config()
+    # every file a PD sidecar mounts exists: its own here, or docker-compose.yml's
+    for host, name in pd.CONFIG_FILES.items():
+        assert (ENVOY_DIR / name).is_file(), (host, name)
+
+
 def test_every_config_parses_into_envoy_v3_bootstrap_with_typed_configs_and_validation_rules():
-    r = _schema_check(sorted(ENVOY_DIR.glob("*.yaml")))
+    paths = [ENVOY_DIR / name for name in all_envoy_configs()]
+    assert any(p.parent == PD_ENVOY_DIR for p in paths) and any(p.parent == ENVOY_DIR for p in paths)
+    r = _schema_check(paths)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"checked {len(list(ENVOY_DIR.glob('*.yaml')))} Envoy configs: 0 problems" in r.stdout
+    assert f"checked {len(paths)} Envoy configs: 0 problems" in r.stdout
 
 
 def test_the_schema_check_rejects_broken_configs(tmp_path):
@@ -82,7 +97,7 @@ def test_the_schema_check_rejects_broken_configs(tmp_path):
 
 
 def test_admin_is_bound_to_loopback_and_overload_manager_is_on():
-    for name, boot in envoy_configs().items():
+    for name, boot in all_envoy_configs().items():
         assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1", name
         om = boot["overload_manager"]
         monitors = {m["name"] for m in om["resource_monitors"]}
@@ -94,7 +109,7 @@ def test_admin_is_bound_to_loopback_and_overload_manager_is_on():
 
 def test_routes_never_time_out_streams_and_public_streams_are_bounded():
     gen = envoy_generator()
-    for name, boot in envoy_configs().items():
+    for name, boot in all_envoy_configs().items():
         for listener, hcm in _hcms(boot):
             assert hcm["http2_protocol_options"]["max_concurrent_streams"] > 0, (name, listener["name"])
             assert hcm["http2_protocol_options"]["initial_stream_window_size"] > 0
@@ -113,7 +128,7 @@ def test_routes_never_time_out_streams_and_public_streams_are_bounded():
 def test_only_idempotent_control_calls_are_retried():
     gen = envoy_generator()
     retried = 0
-    for name, boot in envoy_configs().items():
+    for name, boot in all_envoy_configs().items():
         for listener, hcm in _hcms(boot):
             for vh in hcm["route_config"]["virtual_hosts"]:
                 for route in vh["routes"]:
@@ -128,14 +143,14 @@ def test_only_idempotent_control_calls_are_retried():
                                  "/meshllm.v1.Supervisor/Drain", "/meshllm.v1.ProfilerControl/Start"):
                         assert not regex.fullmatch(call), (name, listener["name"], call)
     assert retried > 0
-    for name, boot in envoy_configs().items():  # nowhere else: no retry policy outside routes
+    for name, boot in all_envoy_configs().items():  # nowhere else: no retry policy outside routes
         assert sum("retry_policy" in node for _, node in _walk(boot)) == sum(
             "retry_policy" in r.get("route", {}) for _, h in _hcms(boot)
             for vh in h["route_config"]["virtual_hosts"] for r in vh["routes"]), name
 
 
 def test_clusters_have_circuit_breakers_and_remote_ones_outlier_detection_and_mtls():
-    for name, boot in envoy_configs().items():
+    for name, boot in all_envoy_configs().items():
         for c in boot["static_resources"]["clusters"]:
             limits = c["circuit_breakers"]["thresholds"][0]
             assert limits["max_requests"] > 0 and limits["max_pending_requests"] > 0, (name, c["name"])
@@ -148,7 +163,7 @@ def test_clusters_have_circuit_breakers_and_remote_ones_outlier_detection_and_mt
 
 
 def test_every_non_loopback_listener_requires_client_certificates_except_the_public_one():
-    for name, boot in envoy_configs().items():
+    for name, boot in all_envoy_configs().items():
         for listener in boot["static_resources"]["listeners"]:
             addr = listener["address"]["socket_address"]["address"]
             if addr == "127.0.0.1":
@@ -174,3 +189,52 @@ def test_the_scheduler_to_worker_zmq_hop_is_tls_wrapped_tcp():
     assert chain["transport_socket"]["typed_config"]["require_client_certificate"] is True
     rbac = chain["filters"][0]["typed_config"]["rules"]["policies"]["peers"]["principals"]
     assert [p["authenticated"]["principal_name"]["exact"] for p in rbac] == ["scheduler"]
+
+
+def _egress(boot: dict) -> dict[int, tuple[str, tuple, str]]:
+    """Loopback port -> (cluster, its (host, port) endpoints, the identity its certificate must name)."""
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    out = {}
+    for lst in boot["static_resources"]["listeners"]:
+        sa = lst["address"]["socket_address"]
+        if sa["address"] != "127.0.0.1":
+            continue
+        f = lst["filter_chains"][0]["filters"][0]["typed_config"]
+        name = f.get("cluster") or f["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]["cluster"]
+        c = clusters[name]
+        hosts = tuple((e["endpoint"]["address"]["socket_address"]["address"],
+                       e["endpoint"]["address"]["socket_address"]["port_value"])
+                      for g in c["load_assignment"]["endpoints"] for e in g["lb_endpoints"])
+        sans = c.get("transport_socket", {}).get("typed_config", {}).get("common_tls_context", {}).get(
+            "validation_context", {}).get("match_typed_subject_alt_names", [])
+        out[sa["port_value"]] = (name, hosts, sans[0]["matcher"]["exact"] if sans else None)
+    return out
+
+
+def test_pd_sidecars_reach_each_engine_on_its_own_and_the_decode_scheduler_its_own_worker():
+    """docker-compose.pd.yml: the gateway's sidecar has one egress per engine (a single scheduler
+    behind each, never the two balanced as one); the decode scheduler's ZMQ goes to the decode
+    worker only; nothing routes to the supervisor, which this variant does not start."""
+    gen, pd = envoy_generator(), envoy_pd_generator()
+    configs = all_envoy_configs()
+    schedulers = [s for s, _ in pd.ENGINES.values()]
+    gw = _egress(configs["pd/gateway.yaml"])
+    engines = {port: hosts for port, (_, hosts, san) in gw.items() if san == "scheduler"}
+    assert sorted(engines.values()) == sorted(((s, gen.MESH_PORT),) for s in schedulers), engines
+    assert sorted(engines) == [gen.APP_PORTS["scheduler"] + 100 * i for i in range(len(schedulers))]
+    for name in ("pd/gateway.yaml", "pd/profiler.yaml", "pd/decode-scheduler.yaml"):
+        assert "supervisor" not in yaml.safe_dump(configs[name]), f"{name} still routes to the supervisor"
+    # the gateway's other egress is docker-compose.yml's gateway's
+    base_gw = _egress(configs["gateway.yaml"])
+    assert {p: e for p, e in gw.items() if e[2] != "scheduler"} == {
+        p: e for p, e in base_gw.items() if e[2] not in ("scheduler", "supervisor")}
+    # ZMQ: prefill scheduler -> prefill worker (docker-compose.yml's scheduler.yaml), decode -> decode
+    for role, (sched, worker) in pd.ENGINES.items():
+        zmq = _egress(configs[pd.CONFIG_FILES[sched]])[gen.WORKER_ZMQ_PORT]
+        assert zmq[1:] == (((worker, gen.ZMQ_MESH_PORT),), "worker"), (role, zmq)
+    # the profiler reaches every replica of both engines, each on its own port
+    prof = _egress(configs["pd/profiler.yaml"])
+    for identity in ("scheduler", "worker"):
+        hosts = sorted(h for _, hs, san in prof.values() if san == identity for h, _ in hs)
+        assert hosts == sorted(pd.HOSTS[identity]), (identity, hosts)
+    assert all(len(hs) == 1 for _, hs, san in prof.values() if san), prof

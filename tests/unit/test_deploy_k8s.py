@@ -1,14 +1,15 @@
-"""deploy/k8s: both overlays render with kustomize, every document satisfies the Kubernetes
+"""deploy/k8s: every overlay renders with kustomize, every document satisfies the Kubernetes
 schema of a current release (strict: unknown fields are errors), and the manifests keep the
 promises of docs/deploy.md (probes, resources, disruption budgets, autoscaling, network
-policies, one engine per GPU node)."""
+policies, one engine per GPU node; overlays/pd: one prefill and one decode engine)."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from tests.unit.deploy_tools import K8S_DIR, K8S_VERSION, kustomize, probe_target
 
-OVERLAYS = ("cpu", "gpu", "cpu-mtls")
+OVERLAYS = ("cpu", "gpu", "cpu-mtls", "pd")
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,110 @@ def test_gpu_overlay_puts_one_engine_on_each_gpu_node(rendered):
     assert sup["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     cpu_engine = _kind(rendered["cpu"], "StatefulSet")["engine"]["spec"]["template"]["spec"]
     assert all("nvidia.com/gpu" not in c["resources"]["limits"] for c in cpu_engine["containers"])
+
+
+# ---- overlays/pd ---------------------------------------------------------------------------
+
+PD_ENGINES = {"prefill": "engine-prefill", "decode": "engine-decode"}
+
+
+def _args(workload: dict, container: str) -> list[str]:
+    return next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == container)["args"]
+
+
+def _flag(args: list[str], name: str) -> list[str]:
+    return [a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")]
+
+
+def test_pd_has_a_prefill_and_a_decode_engine_and_no_colocated_one(rendered):
+    docs = rendered["pd"]
+    sts = _kind(docs, "StatefulSet")
+    assert set(sts) == set(PD_ENGINES.values()), sorted(sts)
+    for role, name in PD_ENGINES.items():
+        sched = _args(sts[name], "scheduler")
+        assert _flag(sched, "--kv-role") == [role], (name, sched)
+        assert _flag(sched, "--kv-load-failure-policy") == ["recompute"], name
+        for container in ("scheduler", "worker"):
+            assert _flag(_args(sts[name], container), "--kvstore-addr") == ["kvstore:50070"], (name, container)
+        assert sts[name]["spec"]["template"]["metadata"]["labels"]["meshllm.io/kv-role"] == role
+        assert sts[name]["spec"]["replicas"] == 1
+    ids = {name: _flag(_args(sts[name], "scheduler"), "--engine-id") for name in sts}
+    assert ids == {name: _flag(_args(sts[name], "worker"), "--engine-id") for name in sts}
+    assert len({tuple(v) for v in ids.values()}) == 2, ids
+    # the kvstore from the base; the colocated engine and the supervisor (engine-1) are gone
+    assert "kvstore" in _kind(docs, "Deployment") and "kvstore" in _kind(docs, "Service")
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for kind, name in (("StatefulSet", "engine"), ("Service", "engine"), ("Deployment", "supervisor"),
+                       ("Service", "supervisor"), ("NetworkPolicy", "allow-engine"),
+                       ("NetworkPolicy", "allow-supervisor"), ("PodDisruptionBudget", "supervisor")):
+        assert (kind, name) not in names, (kind, name)
+    assert not [d for d in docs if d["metadata"]["name"].startswith("meshllm-supervisor-spec")]
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"meshllm"}
+
+
+def test_the_pd_gateway_and_profiler_reach_both_engines_and_otherwise_match_the_cpu_overlay(rendered):
+    gw = _args(_kind(rendered["pd"], "Deployment")["gateway"], "gateway")
+    assert sorted(_flag(gw, "--engine-addr")) == sorted(f"{n}-0.{n}:50053" for n in PD_ENGINES.values())
+    cpu_gw = _args(_kind(rendered["cpu"], "Deployment")["gateway"], "gateway")
+    assert [a for a in gw if not a.startswith("--engine-addr=")] == \
+        [a for a in cpu_gw if not a.startswith("--engine-addr=")]
+    prof = _args(_kind(rendered["pd"], "Deployment")["profiler"], "profiler")
+    reached = {a.rsplit("=", 1)[1] for a in prof if a.startswith(("--worker=", "--service="))}
+    for n in PD_ENGINES.values():
+        assert {f"{n}-0.{n}:50053", f"{n}-0.{n}:50054"} <= reached, (n, reached)
+    engine_targets = ("--worker=engine", "--service=scheduler", "--service=prefill-", "--service=decode-")
+    cpu_prof = _args(_kind(rendered["cpu"], "Deployment")["profiler"], "profiler")
+    assert [a for a in prof if not a.startswith(engine_targets)] == \
+        [a for a in cpu_prof if not a.startswith(engine_targets)]
+
+
+def _strip_variant(doc: dict) -> dict:
+    import copy
+    doc = copy.deepcopy(doc)
+    doc["metadata"].get("labels", {}).pop("meshllm.io/variant", None)
+    return doc
+
+
+def test_the_pd_engines_are_the_base_engine_in_two_roles(rendered):
+    """Each PD engine (StatefulSet, headless Service, budget, policy) is the base engine's with
+    only its name, its pod labels and the schedulers' role flags changed: a change to
+    base/engine.yaml that the PD engines miss fails here."""
+    cpu = rendered["cpu"]
+    base = {kind: _strip_variant(_kind(cpu, kind)[name]) for kind, name in (
+        ("StatefulSet", "engine"), ("Service", "engine"), ("PodDisruptionBudget", "engine"),
+        ("NetworkPolicy", "allow-engine"))}
+    for role, name in PD_ENGINES.items():
+        sts = _strip_variant(_kind(rendered["pd"], "StatefulSet")[name])
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert labels == {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "engine",
+                          "meshllm.io/kv-role": role}, labels
+        sts["spec"]["template"]["metadata"]["labels"] = {"app.kubernetes.io/name": name}
+        engine_id = _flag(_args(sts, "scheduler"), "--engine-id")
+        for c in sts["spec"]["template"]["spec"]["containers"]:
+            if c["name"] == "scheduler":  # the base scheduler's flags, then these three
+                extra = [f"--engine-id={engine_id[0]}", f"--kv-role={role}", "--kv-load-failure-policy=recompute"]
+                assert c["args"][-3:] == extra, (name, c["args"])
+                del c["args"][-3:]
+            c["args"] = [a if not a.startswith("--engine-id=") else "--engine-id=0" for a in c["args"]]
+        expected = {"StatefulSet": sts, "Service": _strip_variant(_kind(rendered["pd"], "Service")[name]),
+                    "PodDisruptionBudget": _strip_variant(_kind(rendered["pd"], "PodDisruptionBudget")[name]),
+                    "NetworkPolicy": _strip_variant(_kind(rendered["pd"], "NetworkPolicy")[f"allow-{name}"])}
+        for kind, doc in expected.items():  # named as the base's, they are the base's
+            text = yaml.safe_dump(doc).replace(f"allow-{name}", "allow-engine").replace(
+                f"serviceName: {name}", "serviceName: engine").replace(f": {name}\n", ": engine\n")
+            assert yaml.safe_load(text) == base[kind], (role, kind)
+
+
+def test_pd_network_policies_admit_the_engines_callers_and_only_them(rendered):
+    docs = rendered["pd"]
+    policies = _kind(docs, "NetworkPolicy")
+    kv = policies["allow-kvstore"]["spec"]["ingress"]
+    callers = [f["podSelector"]["matchLabels"] for rule in kv if any(p["port"] == 50070 for p in rule["ports"])
+               for f in rule["from"]]
+    assert sorted(c["app.kubernetes.io/name"] for c in callers) == sorted(PD_ENGINES.values()), callers
+    for name in PD_ENGINES.values():
+        pol = policies[f"allow-{name}"]["spec"]
+        assert pol["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": name}}
+        sched = [f["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for rule in pol["ingress"]
+                 if any(p["port"] == 50053 for p in rule["ports"]) for f in rule["from"]]
+        assert sorted(sched) == ["gateway", "profiler"], (name, sched)

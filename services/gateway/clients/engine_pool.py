@@ -201,25 +201,43 @@ class EnginePool:
     def _count_handoff(self, outcome: str) -> None:
         self.handoffs[outcome] = self.handoffs.get(outcome, 0) + 1
 
-    def _continue_on_decode(self, handle: RequestHandle, blocks: int) -> bool:
+    def _continue_on_decode(self, handle: RequestHandle, result: "pb.engine.KvHandoffResult | None") -> bool:
         """A prefill engine is done with `handle`: submit the rest to the decode engine with the
         least outstanding work (least KV in use), with its tokens so far and the number of
         prompt blocks the kvstore holds for it (0: the decode engine recomputes the prompt).
         With no decode engine routable, any engine takes it (the prefill one keeps the prompt's
         blocks cached, so this costs one lookup)."""
+        blocks = result.num_kv_blocks if result is not None else 0
         sub = pb.engine.EngineSubmit()
         sub.CopyFrom(handle.submit_msg)
         sub.kv_handoff.Clear()
         sub.kv_handoff.resume_token_ids.extend(handle.generated_ids)
         sub.kv_handoff.num_kv_blocks = blocks
+        direct = result is not None and bool(result.peer) and blocks > 0
+        if direct:   # copied from the prefill engine's worker, not fetched from the kvstore
+            sub.kv_handoff.peer = result.peer
+            sub.kv_handoff.src_block_ids.extend(result.block_ids)
+            sub.kv_handoff.lease_deadline_unix_ns = result.lease_deadline_unix_ns
         sub.sampling.ClearField("prompt_logprobs")   # delivered with the first token already
         for role in ("decode", None):
+            if role is None and direct:
+                # A colocated fallback (maybe the prefill engine itself, which still holds the blocks
+                # under this request id): release them first and let the engine find them in its
+                # own prefix cache rather than copy freed blocks.
+                handle.release_now()
+                sub.kv_handoff.num_kv_blocks = 0
+                sub.kv_handoff.ClearField("peer")
+                sub.kv_handoff.ClearField("src_block_ids")
+                sub.kv_handoff.lease_deadline_unix_ns = 0
+                direct = False
             by_id, loads = self._routable_loads(role)
             for load in sorted(loads, key=lambda x: x.outstanding_tokens):
                 if by_id[load.replica_id].client.continue_request(handle, sub):
-                    self._count_handoff(("kvstore" if blocks else "recompute") if role else "colocated_fallback")
+                    self._count_handoff((("direct" if direct else "kvstore") if blocks else "recompute")
+                                        if role else "colocated_fallback")
                     return True
         self._count_handoff("no_engine")
+        handle.release_now()
         return False
 
     async def reset_prefix_cache(self, timeout_s: float, tiers: bool = False) -> list[dict]:

@@ -46,7 +46,7 @@ class EngineClient:
         self.on_lost_before_first_token: Callable[[RequestHandle], bool] | None = None
         # Prefill/decode disaggregation (docs/pd.md): a prefill-only request whose prefill is
         # done (or whose prefill engine was lost after its first token) goes on elsewhere.
-        self.on_handoff: Callable[[RequestHandle, int], bool] | None = None
+        self.on_handoff: Callable[[RequestHandle, "pb.engine.KvHandoffResult | None"], bool] | None = None
         self._close_reason = ""
         self.tokenizer = tokenizer
         self.max_inflight_requests = max_inflight_requests
@@ -139,14 +139,24 @@ class EngineClient:
         self._pipeline.discard(rid)
         self._release(handle)
         handle.prefill_phase = False
-        blocks, handle.handoff = handle.handoff or 0, None
-        if self.on_handoff is None or not self.on_handoff(handle, blocks):
+        result, handle.handoff = handle.handoff, None
+        if result is not None and result.peer:
+            # A direct hand-off: the prefill engine holds the blocks until told the decode engine
+            # has them (its first output) or the request ended; then its lease is released here.
+            handle.release_lease = lambda: self.release_lease(rid)
+        if self.on_handoff is None or not self.on_handoff(handle, result):
             handle.fail(ApiError("unavailable", "no engine replica could take the request after its prefill"))
             if handle.close_detokenize():
                 item = pb.tokenizer.DetokenizeItem(request_id=rid, finished=True)
                 task = asyncio.create_task(self.tokenizer.detokenize([item]))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    def release_lease(self, request_id: str) -> None:
+        """The decode engine has the blocks of a direct hand-off: the prefill engine may free them."""
+        if self.connected:
+            self._pending_aborts.append(request_id)
+            self._wake.set()
 
     def abort(self, request_id: str, error: ApiError | None = None) -> bool:
         """Stop a request: drop it here, tell the engine and the detokenizer. Idempotent."""
@@ -261,7 +271,7 @@ class EngineClient:
         now (an error event, never a hang)."""
         for rid, handle in list(self._requests.items()):
             if handle.prefill_phase and handle.streamed and handle.generated_ids and not handle.finished:
-                handle.handoff = 0
+                handle.handoff = pb.engine.KvHandoffResult()   # nothing handed off: the decode engine recomputes
                 self.hand_over(handle)
                 continue
             if not self._hand_off(handle):
@@ -347,7 +357,8 @@ class EngineClient:
                 if handle.prefill_phase and out.HasField("handoff"):
                     # The prefill engine's end (docs/pd.md): not the request's. Delivered like a
                     # token-less output; the pipeline hands the request over once it is.
-                    handle.handoff = out.handoff.num_kv_blocks
+                    handle.handoff = pb.engine.KvHandoffResult()
+                    handle.handoff.CopyFrom(out.handoff)
                     handle.engine_done = True
                     out.finish_reason = unspecified
                     if handle.timing is not None:

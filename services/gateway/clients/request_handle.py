@@ -83,8 +83,9 @@ class RequestHandle:
         # Prefill/decode disaggregation (docs/pd.md): on a prefill engine until `handoff` (the
         # blocks it saved) arrives; its tokens so far go to the decode engine as resume tokens.
         self.prefill_phase = submit_msg.kv_handoff.prefill_only
-        self.handoff: int | None = None
+        self.handoff = None                   # pb.engine.KvHandoffResult once the prefill engine is done
         self.generated_ids: list[int] = []
+        self.release_lease = None             # direct hand-off: frees the prefill engine's blocks (once)
         self._client = client
         self._prefix = list(submit_msg.prompt_token_ids[-DETOKENIZE_PREFIX_TOKENS:])
         self._skip_special = sampling.skip_special_tokens
@@ -120,7 +121,14 @@ class RequestHandle:
                 return
 
     def abort(self) -> None:
+        self.release_now()
         self._client.abort(self.request_id)
+
+    def release_now(self) -> None:
+        """Release a direct hand-off's lease on the prefill engine (once; nothing otherwise)."""
+        release, self.release_lease = self.release_lease, None
+        if release is not None:
+            release()
 
     def route_to(self, queue: asyncio.Queue, index: int) -> None:
         """Put (index, Delta) pairs into `queue` instead of iterating this handle: n choices
@@ -186,6 +194,8 @@ class RequestHandle:
         self.num_completion_tokens += len(out.new_token_ids)
         if self.prefill_phase:
             self.generated_ids.extend(out.new_token_ids)
+        elif self.release_lease is not None:   # the decode engine's first output: it has the blocks
+            self.release_now()
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         matcher = self._matcher
         text = matcher.feed(text)
@@ -201,6 +211,7 @@ class RequestHandle:
 
     def fail(self, error: ApiError) -> None:
         """End the reader's stream with `error` (nothing, if it has ended already)."""
+        self.release_now()
         self._push(Delta("", [], error=error))
 
     def _push(self, delta: Delta) -> None:

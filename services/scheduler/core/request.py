@@ -59,6 +59,9 @@ class Request:
     saved_blocks: int = 0
     saves_broken: bool = False
     handoff: bool = False                     # a decode engine's request: its prompt was prefilled elsewhere
+    peer: str = ""                            # ... directly: copy src_block_ids of that worker (docs/pd.md)
+    src_block_ids: list[int] = field(default_factory=list)
+    lease_deadline_ns: int = 0                # ... held there until then (Unix ns)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0                # leading blocks registered in the prefix cache

@@ -58,7 +58,7 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  vocab_size: int | None = None, hash_fn: HashFn = chained_block_hash,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, export_addr: str = "") -> None:
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, hash_fn,
                                  num_host_blocks)
@@ -81,6 +81,10 @@ class Scheduler:
         self.lookup_outbox: list[tuple[str, list[bytes]]] = []
         self.loading: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}   # prefill-only, first token out, saves not all reported
+        # Direct hand-offs (docs/pd.md): this engine's worker exports its cache at export_addr;
+        # a prefill-only request's blocks are held under a lease until released (release()).
+        self.export_addr = export_addr
+        self.leases: dict[str, Request] = {}
         self.tier_stats = {"host_hit_blocks": 0, "kvstore_lookups": 0, "kvstore_found_blocks": 0,
                            "kvstore_loaded_blocks": 0, "kvstore_failed_blocks": 0, "kvstore_saved_blocks": 0}
 
@@ -160,7 +164,9 @@ class Scheduler:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is not None:
+            if req is not None and req.request_id in self.leases:
+                self._finish(req)   # a released lease: its hand-off output was the last one
+            elif req is not None:
                 self._finish(req)
                 self._pending_outputs.append(RequestOutput(rid, [], FinishReason.ABORT,
                                                            num_prompt_tokens=len(req.prompt_token_ids)))
@@ -279,7 +285,8 @@ class Scheduler:
                 cached = self.kv.find_cached_prefix(req)
                 slots = self.kv.find_host_prefix(req, len(cached))   # tier 1, after the device's
             local = len(cached) + len(slots)
-            num_tier = max(0, req.kv_tier_blocks - local) if self.kv_tier and not req.wants_prompt_logprobs else 0
+            num_tier = (max(0, req.kv_tier_blocks - local) if (self.kv_tier or req.peer) and not req.wants_prompt_logprobs
+                        else 0)
             if num_tier:
                 # Tier 2: its blocks fill in the background; it runs once the worker reports.
                 if not self.kv.allocate(req, (local + num_tier) * cfg.block_size, cached):
@@ -288,7 +295,9 @@ class Scheduler:
                 self._count_admission(req, len(cached), len(slots))
                 host_loads.extend(zip(req.block_ids[len(cached):local], slots))
                 ids = req.block_ids[local:local + num_tier]
-                tier_loads.append(TierBlocks(req.request_id, ids, req.block_hashes[local:local + num_tier]))
+                tier_loads.append(TierBlocks(req.request_id, ids, req.block_hashes[local:local + num_tier], req.peer,
+                                             req.src_block_ids[local:local + num_tier] if req.peer else [],
+                                             req.lease_deadline_ns))
                 req.tier_load = (local, num_tier)
                 req.kv_tier_blocks = -1   # asked again if it is ever preempted
                 req.status = RequestStatus.LOADING
@@ -325,7 +334,7 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_planned_tokens:
                 req.num_inflight_tokens += 1   # this step samples a token
-            if self.kv_tier:
+            if self.kv_tier and not (req.prefill_only and self.export_addr):   # direct: nothing to save
                 self._plan_save(plan, req)
         return plan
 
@@ -445,6 +454,15 @@ class Scheduler:
         saves of its prompt blocks all reported (its blocks stay held until then)."""
         self.running.remove(req)
         req.status = RequestStatus.HANDOFF
+        if self.export_addr:
+            # Direct: its blocks stay here, under a lease, until the decode side has copied them.
+            n = (len(req.prompt_token_ids) - 1) // self.config.block_size
+            self.leases[req.request_id] = req
+            outputs.append(RequestOutput(req.request_id, [], FinishReason.LENGTH,
+                                         num_prompt_tokens=len(req.prompt_token_ids),
+                                         num_cached_tokens=req.num_cached_prompt_tokens, handoff_blocks=n,
+                                         handoff_peer=self.export_addr, handoff_block_ids=req.block_ids[:n]))
+            return
         self.handoffs[req.request_id] = req
         if not req.pending_saves:
             self._end_handoff(req, outputs)
@@ -508,6 +526,7 @@ class Scheduler:
             self.kv.free(req)
         self.loading.clear()
         self.handoffs.clear()
+        self.leases.clear()
         return outputs
 
     def _finish(self, req: Request) -> None:
@@ -520,6 +539,7 @@ class Scheduler:
             del self.lookups[req.request_id]
         elif req.status is RequestStatus.HANDOFF:
             self.handoffs.pop(req.request_id, None)
+            self.leases.pop(req.request_id, None)
         if req.status is RequestStatus.LOADING:
             req.dropped = True   # the worker writes its blocks until it reports the fetch
         else:

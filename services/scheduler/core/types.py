@@ -38,6 +38,9 @@ class TierBlocks:
     request_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
+    peer: str = ""                # direct hand-off: copy src_block_ids of this worker instead
+    src_block_ids: list[int] = field(default_factory=list)
+    lease_deadline_ns: int = 0    # ... finished before this (Unix ns), or it counts as failed
 
 
 @dataclass
@@ -105,8 +108,12 @@ class RequestOutput:
     stop_token_id: int = -1
     # The whole prompt's, on the first-token output only (a shared empty default: no list per output).
     prompt_logprobs: Sequence[Any] = ()
-    # A prefill-only request's end: the leading prompt blocks the kvstore holds (-1: not one).
+    # A prefill-only request's end: the leading prompt blocks handed off (-1: not one); direct:
+    # the worker holding them (its WorkerControl address) and their ids, held until released.
     handoff_blocks: int = -1
+    handoff_peer: str = ""
+    handoff_block_ids: Sequence[int] = ()
+    handoff_deadline_ns: int = 0       # set by the adapter (it has the clock): the lease's end
     # Set by the adapter on the first-token and finishing outputs (the core has no clock):
     # RequestTiming stamps (queued, first scheduled, first token, finished), Unix ns, 0 = not yet.
     timing: tuple[int, int, int, int] | None = None

@@ -1,0 +1,177 @@
+"""Direct KV hand-off between two workers of one host (docs/pd.md): the prefill worker's KV cache
+is one allocation another process can map, and the decode worker copies the blocks it was
+handed straight out of it, with no store in between.
+
+- CPU: the cache lives in a memfd (`memfd_create`; it cannot outlive the process, so kill -9
+  leaks nothing) whose first 4 KiB hold 32 random bytes; a decode worker maps
+  `/proc/<pid>/fd/<fd>` (same host and user), checks the host's boot id and those bytes (a
+  reused pid or another host's is never taken for it), and copies blocks with index ops.
+- CUDA: the cache is one device allocation shared by CUDA IPC (the storage handle torch's own
+  tensor sharing uses, sent as protobuf fields, never pickled); the copy is device to device.
+
+The export descriptor travels over WorkerControl.ExportKv on the worker's gRPC port, which has
+internal mTLS like every internal hop, so only the mesh learns it. The prefill engine keeps the
+handed-off blocks under a lease until the decode side has them (the scheduler's part)."""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+
+import grpc
+import torch
+
+from services.common import pb
+
+log = logging.getLogger("meshllm.worker.kv_export")
+
+_HEADER = 4096
+_TOKEN = 32
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+class ExportedCache:
+    """One allocation holding every layer's cache ([L, 2, NB, bs, kvh, hd]) that a peer can map."""
+
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers, self.shape, self.dtype, self.device = num_layers, tuple(shape), dtype, device
+        numel = num_layers
+        for n in shape:
+            numel *= n
+        self.nbytes = numel * dtype.itemsize
+        self._mm = None
+        if device.type == "cuda":
+            self.all = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+            self.fd = -1
+            self.token = b""
+        else:
+            self.fd = os.memfd_create("meshllm-kv-export", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, _HEADER + self.nbytes)
+            self._mm = mmap.mmap(self.fd, _HEADER + self.nbytes)   # zero-filled pages, allocated when touched
+            self.token = os.urandom(_TOKEN)
+            self._mm[:_TOKEN] = self.token
+            raw = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER, count=self.nbytes)
+            self.all = raw.view(dtype).view(num_layers, *shape)
+        self.layers = list(self.all.unbind(0))
+
+    def describe(self) -> "pb.control.KvExport":
+        msg = pb.control.KvExport(boot_id=_boot_id(), pid=os.getpid(), nbytes=self.nbytes, shape=list(self.shape),
+                                  dtype=str(self.dtype).removeprefix("torch."), num_layers=self.num_layers)
+        if self.device.type == "cuda":
+            storage = self.all.untyped_storage()
+            (device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = storage._share_cuda_()
+            msg.kind, msg.device, msg.ipc_handle = "cuda_ipc", int(device), bytes(handle)
+            msg.storage_bytes, msg.storage_offset = int(size), int(offset)
+            msg.ref_counter_handle, msg.ref_counter_offset = bytes(rc_handle), int(rc_offset)
+            msg.event_handle, msg.event_sync_required = bytes(ev_handle or b""), bool(ev_sync)
+            msg.data_offset = self.all.storage_offset() * self.dtype.itemsize
+        else:
+            msg.kind, msg.fd, msg.token, msg.data_offset = "memfd", self.fd, self.token, _HEADER
+        return msg
+
+
+class PeerCache:
+    """A peer worker's exported cache, mapped here: `layers[l]` is its layer-l cache."""
+
+    def __init__(self, desc: "pb.control.KvExport", local_shape: tuple[int, ...], local_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        dtype = _dtype(desc.dtype)
+        peer_shape = tuple(desc.shape)
+        # Same model, same block size: every dimension but the block count must match.
+        if dtype != local_dtype or peer_shape[:1] + peer_shape[2:] != local_shape[:1] + local_shape[2:]:
+            raise ValueError(f"the peer's cache ({desc.dtype} {peer_shape}) is not comparable with ours "
+                             f"({local_dtype} {local_shape})")
+        if desc.boot_id != _boot_id():
+            raise ValueError("the peer runs on another host")
+        self.num_blocks = peer_shape[1]
+        self._mm = None
+        n = desc.num_layers
+        if desc.kind == "memfd":
+            fd = os.open(f"/proc/{desc.pid}/fd/{desc.fd}", os.O_RDWR)
+            try:
+                self._mm = mmap.mmap(fd, desc.data_offset + desc.nbytes)
+            finally:
+                os.close(fd)
+            if self._mm[:len(desc.token)] != desc.token:
+                self._mm.close()
+                raise ValueError("the mapping is not the peer's KV cache")
+            raw = torch.frombuffer(self._mm, dtype=torch.uint8, offset=desc.data_offset, count=desc.nbytes)
+            self.all = raw.view(dtype).view(n, *peer_shape)
+        elif desc.kind == "cuda_ipc":
+            if device.type != "cuda":
+                raise ValueError("a CUDA peer cannot be mapped by a CPU worker")
+            storage = torch.UntypedStorage._new_shared_cuda(
+                desc.device, desc.ipc_handle, desc.storage_bytes, desc.storage_offset, desc.ref_counter_handle,
+                desc.ref_counter_offset, desc.event_handle or None, desc.event_sync_required)
+            flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            raw = flat[desc.data_offset:desc.data_offset + desc.nbytes]
+            self.all = raw.view(dtype).view(n, *peer_shape)
+        else:
+            raise ValueError(f"unknown export kind {desc.kind!r}")
+        self.layers = list(self.all.unbind(0))
+
+    def close(self) -> None:
+        self.layers, self.all = [], None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+
+
+class Peers:
+    """Mapped peers by WorkerControl address (asked once, mapped again after a failure)."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None, local_shape, local_dtype, device,
+                 timeout_s: float = 2.0) -> None:
+        self.credentials, self.local_shape, self.local_dtype, self.device = credentials, local_shape, local_dtype, device
+        self.timeout_s = timeout_s
+        self._peers: dict[str, PeerCache] = {}
+        self._lock = threading.Lock()
+
+    def get(self, addr: str) -> PeerCache:
+        """The peer's cache as it exports it now: asked every time (one small RPC), mapped again
+        when it changed (a restarted peer, a new block size), so a stale mapping is never read."""
+        from services.common.grpc_server import GRPC_OPTIONS
+        ch = (grpc.secure_channel(addr, self.credentials, options=GRPC_OPTIONS) if self.credentials is not None
+              else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
+        try:
+            desc = pb.control_grpc.WorkerControlStub(ch).ExportKv(pb.control.ExportKvRequest(), timeout=self.timeout_s)
+        finally:
+            ch.close()
+        key = desc.SerializeToString(deterministic=True)
+        with self._lock:
+            peer = self._peers.get(addr)
+            if peer is not None and peer.key == key:
+                return peer
+            if peer is not None:
+                peer.close()
+            peer = self._peers[addr] = PeerCache(desc, self.local_shape, self.local_dtype, self.device)
+            peer.key = key
+            log.info("mapped the KV cache of peer %s (%s)", addr, desc.kind)
+            return peer
+
+    def forget(self, addr: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(addr, None)
+        if peer is not None:
+            peer.close()
+
+    def close(self) -> None:
+        for addr in list(self._peers):
+            self.forget(addr)
