@@ -142,18 +142,20 @@ class Peers:
         self.credentials, self.local_shape, self.local_dtype, self.device = credentials, local_shape, local_dtype, device
         self.timeout_s = timeout_s
         self._peers: dict[str, PeerCache] = {}
+        self._stubs: dict[str, tuple] = {}    # addr -> (channel, WorkerControl stub)
         self._lock = threading.Lock()
 
     def get(self, addr: str) -> PeerCache:
         """The peer's cache as it exports it now: asked every time (one small RPC), mapped again
         when it changed (a restarted peer, a new block size), so a stale mapping is never read."""
-        from services.common.grpc_server import GRPC_OPTIONS
-        ch = (grpc.secure_channel(addr, self.credentials, options=GRPC_OPTIONS) if self.credentials is not None
-              else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
-        try:
-            desc = pb.control_grpc.WorkerControlStub(ch).ExportKv(pb.control.ExportKvRequest(), timeout=self.timeout_s)
-        finally:
-            ch.close()
+        with self._lock:
+            stub = self._stubs.get(addr)
+            if stub is None:   # one channel per peer, kept (a new one costs a connection per hand-off)
+                from services.common.grpc_server import GRPC_OPTIONS
+                ch = (grpc.secure_channel(addr, self.credentials, options=GRPC_OPTIONS) if self.credentials is not None
+                      else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
+                stub = self._stubs[addr] = (ch, pb.control_grpc.WorkerControlStub(ch))
+        desc = stub[1].ExportKv(pb.control.ExportKvRequest(), timeout=self.timeout_s)
         key = desc.SerializeToString(deterministic=True)
         with self._lock:
             peer = self._peers.get(addr)
@@ -169,9 +171,12 @@ class Peers:
     def forget(self, addr: str) -> None:
         with self._lock:
             peer = self._peers.pop(addr, None)
+            stub = self._stubs.pop(addr, None)
         if peer is not None:
             peer.close()
+        if stub is not None:
+            stub[0].close()
 
     def close(self) -> None:
-        for addr in list(self._peers):
+        for addr in list({*self._peers, *self._stubs}):
             self.forget(addr)
