@@ -80,6 +80,10 @@ class KvTiers:
         # Byte views of each layer's cache: [2, num_blocks, block_size, kvh, head_dim * itemsize].
         self.views = [c.view(torch.uint8) for c in kv_caches]
         two, self.num_blocks, bs, kvh, hd = self.views[0].shape
+        # ... and as rows of 8-byte words, one row per (K or V, block): the copies index whole
+        # rows (an index op over uint8 elements moves one byte per element, ~20x slower on a GPU).
+        self.rows = [v.reshape(two, self.num_blocks, -1).view(torch.int64) for v in self.views]
+        self.row_words = self.rows[0].shape[-1]
         self.block_shape = (len(self.views), two, bs, kvh, hd)       # one block, L2BHD
         self.block_bytes = len(self.views) * two * bs * kvh * hd
         self.block_size = block_size
@@ -140,16 +144,19 @@ class KvTiers:
     def gather(self, block_ids) -> torch.Tensor:
         """[n, *block_shape] uint8 on the device: the blocks' bytes, L2BHD."""
         idx = self._index(block_ids)
-        out = torch.empty((len(block_ids), *self.block_shape), dtype=torch.uint8, device=self.device)
-        for layer, v in enumerate(self.views):
-            out[:, layer] = v.index_select(1, idx).transpose(0, 1)
-        return out
+        n, two = len(block_ids), self.block_shape[1]
+        out = torch.empty((n, len(self.rows), two, self.row_words), dtype=torch.int64, device=self.device)
+        for layer, r in enumerate(self.rows):
+            out[:, layer] = r.index_select(1, idx).transpose(0, 1)
+        return out.view(torch.uint8).view(n, *self.block_shape)
 
     def scatter(self, block_ids, src: torch.Tensor) -> None:
         """Write [n, *block_shape] (on the device) into the blocks."""
         idx = self._index(block_ids)
-        for layer, v in enumerate(self.views):
-            v.index_copy_(1, idx, src[:, layer].transpose(0, 1))
+        n, two = len(block_ids), self.block_shape[1]
+        words = src.contiguous().view(n, len(self.rows), two, -1).view(torch.int64)
+        for layer, r in enumerate(self.rows):
+            r.index_copy_(1, idx, words[:, layer].transpose(0, 1))
 
     # ---- tier 1 --------------------------------------------------------------------------
     def apply_host_copies(self, plan) -> None:
@@ -276,14 +283,16 @@ class KvTiers:
             return 0
         src = torch.tensor(list(job.src_block_ids), dtype=torch.long, device=self.device)
         dst = self._index(job.block_ids)
+        two = self.block_shape[1]
+        peer_rows = [p.view(torch.uint8).reshape(two, peer.num_blocks, -1).view(torch.int64) for p in peer.layers]
         if self.cuda:
             with torch.cuda.stream(self._stream):
-                for v, p in zip(self.views, peer.layers):
-                    v.index_copy_(1, dst, p.view(torch.uint8).index_select(1, src))
+                for r, p in zip(self.rows, peer_rows):
+                    r.index_copy_(1, dst, p.index_select(1, src))
             self._stream.synchronize()
         else:
-            for v, p in zip(self.views, peer.layers):
-                v.index_copy_(1, dst, p.view(torch.uint8).index_select(1, src))
+            for r, p in zip(self.rows, peer_rows):
+                r.index_copy_(1, dst, p.index_select(1, src))
         if time.monotonic() > deadline or (job.lease_deadline_ns and time.time_ns() >= job.lease_deadline_ns):
             return 0   # too late: what was copied may not be the handed-off KV (recomputed)
         self.stats["direct_blocks"] += len(job.block_ids)

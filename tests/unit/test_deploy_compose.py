@@ -185,7 +185,7 @@ def test_the_certs_job_gives_each_sidecar_its_own_key_and_every_file_it_reads(ba
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from tests.unit.deploy_tools import COMPOSE_DIR, ENVOY_DIR, ROOT
+    from tests.unit.deploy_tools import ROOT
 
     job = base["services"]["certs"]
     # the PD override needs no identity of its own (merged files list the volumes in another order)
@@ -244,7 +244,7 @@ def test_collector_grafana_and_prometheus_configs_point_at_the_compose_services(
 
     import yaml
 
-    from tests.unit.deploy_tools import COMPOSE_DIR, DEPLOY
+    from tests.unit.deploy_tools import DEPLOY
 
     services = base["services"]
     col = yaml.safe_load((COMPOSE_DIR / "otel-collector.yaml").read_text())
