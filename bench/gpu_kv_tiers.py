@@ -146,6 +146,7 @@ def main() -> int:
         def save():
             tiers.save([TierBlocks("s", src[:-1], hashes[:-1])])
             assert tiers.flush_saves(120.0)
+            tiers.take_saves()   # as the runner's collect does
         save_secs = []
         for _ in range(args.reps):
             client.flush(tiers.namespace)   # every rep stores the blocks anew

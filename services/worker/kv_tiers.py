@@ -214,7 +214,7 @@ class KvTiers:
     def take_loads(self, wait_s: float = 0.0) -> list[LoadResult]:
         """Fetches that ended; with `wait_s`, wait that long for one if some are under way."""
         if wait_s:
-            self.wait_done(wait_s)
+            self.wait_done(wait_s, loads_only=True)
         out = []
         while self._done:
             out.append(self._done.popleft())
@@ -229,10 +229,16 @@ class KvTiers:
         """Fetches or saves under way (each is reported when it ends)."""
         return bool(self._busy or (self._saver is not None and self._saver.pending_bytes))
 
-    def wait_done(self, wait_s: float) -> None:
-        """Wait up to `wait_s` for a fetch or a save to end (a plan sent only to hear of them)."""
+    def wait_done(self, wait_s: float, loads_only: bool = False) -> None:
+        """Wait up to `wait_s` for a fetch (or, unless loads_only, a save) to end (a plan sent only
+        to hear of them)."""
         deadline = time.monotonic() + wait_s
-        while not (self._done or self._saved) and self.busy and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if loads_only:
+                if self._done or not self._busy:
+                    return
+            elif self._done or self._saved or not self.busy:
+                return
             with self._cond:
                 self._cond.wait(0.0005)
 
