@@ -15,6 +15,8 @@ if [ "$want" != "$have" ]; then
   # torch alone and first: the pinned CPU wheel, so no other package can pull a CUDA build.
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-test.txt
+  # The `nixl` import name, without its dependencies (they would pull CUDA 12 packages).
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps nixl==1.5.1
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
   echo "$want" > .venv/.setup-stamp
 fi

@@ -72,6 +72,7 @@ class MeshConfig:
     kv_load_failure_policy: str = "recompute"
     kv_handoff: str = "direct"             # direct (peer worker's mapped cache) or kvstore
     kv_lease_s: float = 30.0               # direct: a hand-off's blocks held at most this long
+    kv_direct_transport: str = "auto"      # direct: mmap / CUDA IPC on one host, NIXL across hosts
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -111,6 +112,9 @@ class MeshConfig:
             if self.kv_handoff == "kvstore" and not (self.kv_tier or self.kvstore_addr):
                 raise ValueError("--kv-handoff kvstore hands the KV over through the kvstore: "
                                  "drop --no-kv-tier or give --kvstore-addr")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("prefill/decode disaggregation with tensor-parallel engines is not supported "
+                                 "yet (each rank would hand over its own shard): use --tensor-parallel-size 1")
             self.data_parallel_size = self.prefill_replicas + self.decode_replicas
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("--kv-load-failure-policy must be recompute or fail")
@@ -266,7 +270,8 @@ class Mesh:
             *(["--quantization", c.quantization] if c.quantization != "none" else []),
             *(["--num-kv-blocks", str(c.num_kv_blocks)] if c.num_kv_blocks else []),
             *(["--kv-offload-gb", str(c.kv_offload_gb)] if c.kv_offload_gb else []),
-            *(["--kv-export"] if role and c.kv_handoff == "direct" else []),
+            *(["--kv-export", "--kv-direct-transport", c.kv_direct_transport] if role and c.kv_handoff == "direct"
+              else []),
             *(["--kv-load-timeout-ms", str(c.kv_load_timeout_ms)] if self.kvstore_address else []),
             "--served-model-name", c.served_model_name, *engine_args,
             *(["--tensor-parallel-size", str(c.tensor_parallel_size)] if c.tensor_parallel_size > 1 else []),

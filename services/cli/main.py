@@ -78,6 +78,9 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--kv-handoff", default="direct", choices=["direct", "kvstore"],
                    help="how prefill engines hand KV to decode engines: direct (the decode worker copies the "
                         "blocks out of the prefill worker's cache: same host, memfd / CUDA IPC) or kvstore")
+    p.add_argument("--kv-direct-transport", default="auto", choices=["auto", "mmap", "nixl"],
+                   help="direct hand-offs: auto = the mapped cache (memfd / CUDA IPC) on one host and NIXL for "
+                        "another host; mmap or nixl: always that one")
     p.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="direct hand-offs: the prefill engine holds the blocks at most this long for the decode one")
     p.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer replicas (the gateway fails over)")
@@ -143,7 +146,7 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       kvstore_addr=a.kvstore_addr, kv_offload_gb=a.kv_offload_gb,
                       kv_load_timeout_ms=a.kv_load_timeout_ms, prefill_replicas=a.prefill_replicas,
                       decode_replicas=a.decode_replicas, kv_load_failure_policy=a.kv_load_failure_policy,
-                      kv_handoff=a.kv_handoff, kv_lease_s=a.kv_lease_s)
+                      kv_handoff=a.kv_handoff, kv_lease_s=a.kv_lease_s, kv_direct_transport=a.kv_direct_transport)
 
 
 def _gateway_security_args(a: argparse.Namespace) -> list[str]:

@@ -54,6 +54,7 @@ class WorkerConfig:
     kv_load_timeout_ms: float = 2000.0 # a kvstore fetch not done by then is cut short (recomputed)
     kv_save_buffer_mb: float = 256.0   # host buffers of saves in flight (past them saves are dropped)
     kv_export: bool = False            # direct hand-offs (docs/pd.md): a KV cache peers can map, and map theirs
+    kv_direct_transport: str = "auto"  # kv_export.TRANSPORTS: mmap/CUDA IPC on one host, NIXL across hosts
     bound_grpc_addr: str = ""          # set once the gRPC port is bound (its WorkerControl: ExportKv)
 
     def __post_init__(self) -> None:
@@ -102,6 +103,8 @@ class WorkerConfig:
         check_metrics_config(self.metrics_port, self.engine_id)
         from services.common.kv_blocks import check_kvstore_addr
         check_kvstore_addr(self.kvstore_addr)
+        if self.kv_direct_transport not in ("auto", "mmap", "nixl"):
+            raise ValueError("--kv-direct-transport must be auto, mmap or nixl")
         if self.kv_offload_gb < 0 or self.kv_load_timeout_ms <= 0 or self.kv_save_buffer_mb <= 0:
             raise ValueError("--kv-offload-gb must be >= 0, --kv-load-timeout-ms and --kv-save-buffer-mb > 0")
         if not self.served_model_name:

@@ -9,9 +9,16 @@ handed straight out of it, with no store in between.
 - CUDA: the cache is one device allocation shared by CUDA IPC (the storage handle torch's own
   tensor sharing uses, sent as protobuf fields, never pickled); the copy is device to device.
 
+- NIXL (the transfer library vLLM and Dynamo use): for a peer on another host, or everywhere with
+  `--kv-direct-transport nixl`. Each exporting worker registers its one allocation with a NIXL
+  agent (UCX backend; DRAM on the CPU, VRAM on a GPU) and publishes the agent's metadata in the
+  descriptor; the decode worker READs the handed-off blocks' rows straight into its own
+  registered cache (RDMA or NVLink where UCX has them; TCP otherwise).
+
 The export descriptor travels over WorkerControl.ExportKv on the worker's gRPC port, which has
-internal mTLS like every internal hop, so only the mesh learns it. The prefill engine keeps the
-handed-off blocks under a lease until the decode side has them (the scheduler's part)."""
+internal mTLS like every internal hop, so only the mesh learns it (and NIXL's metadata with it).
+The prefill engine keeps the handed-off blocks under a lease until the decode side has them (the
+scheduler's part)."""
 from __future__ import annotations
 
 import logging
@@ -38,6 +45,18 @@ def _boot_id() -> str:
         return ""
 
 
+TRANSPORTS = ("auto", "mmap", "nixl")   # auto: mmap / CUDA IPC on the same host, NIXL for another
+
+
+def nixl_api():
+    """nixl._api, or None when NIXL is not installed."""
+    try:
+        from nixl import _api
+    except ImportError:
+        return None
+    return _api
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -48,7 +67,8 @@ def _dtype(name: str) -> torch.dtype:
 class ExportedCache:
     """One allocation holding every layer's cache ([L, 2, NB, bs, kvh, hd]) that a peer can map."""
 
-    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 nixl: bool = True) -> None:
         self.num_layers, self.shape, self.dtype, self.device = num_layers, tuple(shape), dtype, device
         numel = num_layers
         for n in shape:
@@ -68,6 +88,22 @@ class ExportedCache:
             raw = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER, count=self.nbytes)
             self.all = raw.view(dtype).view(num_layers, *shape)
         self.layers = list(self.all.unbind(0))
+        self.row_bytes = self.nbytes // (num_layers * shape[0] * shape[1])   # one (K or V, block) row
+        self.agent = self.nixl_mem = None
+        api = nixl_api() if nixl else None
+        if api is not None:
+            try:
+                self.agent = api.nixl_agent(f"meshllm-kv-{os.getpid()}-{id(self):x}",
+                                            api.nixl_agent_config(backends=["UCX"]))
+                self.nixl_mem = "VRAM" if device.type == "cuda" else "DRAM"
+                dev = device.index or 0 if device.type == "cuda" else 0
+                self.agent.register_memory([(self.all.data_ptr(), self.nbytes, dev, "")], self.nixl_mem)
+            except Exception as exc:  # noqa: BLE001 - NIXL is one transport among others
+                log.warning("NIXL unavailable for direct hand-offs: %s", exc)
+                self.agent = None
+
+    def row_addr(self, base: int, num_blocks: int, layer: int, kv: int, block: int) -> int:
+        return base + ((layer * 2 + kv) * num_blocks + block) * self.row_bytes
 
     def describe(self) -> "pb.control.KvExport":
         msg = pb.control.KvExport(boot_id=_boot_id(), pid=os.getpid(), nbytes=self.nbytes, shape=list(self.shape),
@@ -82,6 +118,8 @@ class ExportedCache:
             msg.data_offset = self.all.storage_offset() * self.dtype.itemsize
         else:
             msg.kind, msg.fd, msg.token, msg.data_offset = "memfd", self.fd, self.token, _HEADER
+        if self.agent is not None:
+            msg.nixl_metadata, msg.nixl_base, msg.nixl_mem = self.agent.get_agent_metadata(), self.all.data_ptr(), self.nixl_mem
         return msg
 
 
@@ -89,17 +127,29 @@ class PeerCache:
     """A peer worker's exported cache, mapped here: `layers[l]` is its layer-l cache."""
 
     def __init__(self, desc: "pb.control.KvExport", local_shape: tuple[int, ...], local_dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, transport: str = "mmap", local: ExportedCache | None = None) -> None:
         dtype = _dtype(desc.dtype)
         peer_shape = tuple(desc.shape)
         # Same model, same block size: every dimension but the block count must match.
         if dtype != local_dtype or peer_shape[:1] + peer_shape[2:] != local_shape[:1] + local_shape[2:]:
             raise ValueError(f"the peer's cache ({desc.dtype} {peer_shape}) is not comparable with ours "
                              f"({local_dtype} {local_shape})")
-        if desc.boot_id != _boot_id():
-            raise ValueError("the peer runs on another host")
         self.num_blocks = peer_shape[1]
         self._mm = None
+        self.layers, self.all = [], None
+        self.nixl_remote = None      # NIXL: the peer agent's name in our agent, and its cache's base
+        same_host = desc.boot_id == _boot_id()
+        if transport == "nixl" or (transport == "auto" and not same_host):
+            if local is None or local.agent is None or not desc.nixl_metadata:
+                raise ValueError("NIXL is not available on both ends" if same_host else
+                                 "the peer runs on another host and NIXL is not available on both ends")
+            self.local, self.nixl_base, self.nixl_mem = local, desc.nixl_base, desc.nixl_mem
+            name = local.agent.add_remote_agent(desc.nixl_metadata)
+            self.nixl_remote = name.decode() if isinstance(name, bytes) else name
+            self.nixl_device = desc.device
+            return
+        if not same_host:
+            raise ValueError("the peer runs on another host")
         n = desc.num_layers
         if desc.kind == "memfd":
             fd = os.open(f"/proc/{desc.pid}/fd/{desc.fd}", os.O_RDWR)
@@ -125,8 +175,43 @@ class PeerCache:
             raise ValueError(f"unknown export kind {desc.kind!r}")
         self.layers = list(self.all.unbind(0))
 
+    def read_nixl(self, src_blocks, dst_blocks, deadline: float) -> bool:
+        """READ the rows of src_blocks (the peer's) into dst_blocks (ours) over NIXL; False when the
+        transfer failed or did not finish by `deadline` (time.monotonic())."""
+        import time
+        local, agent = self.local, self.local.agent
+        rb, L = local.row_bytes, local.num_layers
+        ldev = local.device.index or 0 if local.device.type == "cuda" else 0
+        lbase = local.all.data_ptr()
+        lnb, rnb = local.shape[1], self.num_blocks
+        mine, theirs = [], []
+        for layer in range(L):
+            for kv in range(2):
+                for s, d in zip(src_blocks, dst_blocks):
+                    theirs.append((local.row_addr(self.nixl_base, rnb, layer, kv, s), rb, self.nixl_device))
+                    mine.append((local.row_addr(lbase, lnb, layer, kv, d), rb, ldev))
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(mine, local.nixl_mem),
+                                       agent.get_xfer_descs(theirs, self.nixl_mem), self.nixl_remote)
+        try:
+            agent.transfer(handle)
+            while True:
+                state = agent.check_xfer_state(handle)
+                if state == "DONE":
+                    return True
+                if state == "ERR" or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.0002)
+        finally:
+            agent.release_xfer_handle(handle)
+
     def close(self) -> None:
         self.layers, self.all = [], None
+        if self.nixl_remote is not None:
+            try:
+                self.local.agent.remove_remote_agent(self.nixl_remote)
+            except Exception:  # noqa: BLE001
+                pass
+            self.nixl_remote = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -138,8 +223,9 @@ class Peers:
     """Mapped peers by WorkerControl address (asked once, mapped again after a failure)."""
 
     def __init__(self, credentials: grpc.ChannelCredentials | None, local_shape, local_dtype, device,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, transport: str = "auto", local: ExportedCache | None = None) -> None:
         self.credentials, self.local_shape, self.local_dtype, self.device = credentials, local_shape, local_dtype, device
+        self.transport, self.local = transport, local
         self.timeout_s = timeout_s
         self._peers: dict[str, PeerCache] = {}
         self._stubs: dict[str, tuple] = {}    # addr -> (channel, WorkerControl stub)
@@ -163,9 +249,10 @@ class Peers:
                 return peer
             if peer is not None:
                 peer.close()
-            peer = self._peers[addr] = PeerCache(desc, self.local_shape, self.local_dtype, self.device)
+            peer = self._peers[addr] = PeerCache(desc, self.local_shape, self.local_dtype, self.device,
+                                                 self.transport, self.local)
             peer.key = key
-            log.info("mapped the KV cache of peer %s (%s)", addr, desc.kind)
+            log.info("mapped the KV cache of peer %s (%s)", addr, "nixl" if peer.nixl_remote else desc.kind)
             return peer
 
     def forget(self, addr: str) -> None:

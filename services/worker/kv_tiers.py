@@ -43,6 +43,7 @@ class TierConfig:
     save_buffer_bytes: int = 256 << 20     # host buffers of saves not yet put (pinned on a GPU)
     direct: bool = False                   # copy handed-off blocks from peer workers (kv_export.py)
     peer_credentials: object | None = None # internal mTLS for their WorkerControl
+    direct_transport: str = "auto"         # kv_export.TRANSPORTS
 
 
 class _Buffers:
@@ -73,7 +74,7 @@ class _Buffers:
 
 
 class KvTiers:
-    def __init__(self, kv_caches: list[torch.Tensor], block_size: int, cfg: TierConfig) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], block_size: int, cfg: TierConfig, exported=None) -> None:
         self.cfg = cfg
         self.device = kv_caches[0].device
         self.cuda = self.device.type == "cuda"
@@ -97,7 +98,8 @@ class KvTiers:
         self.peers = None
         if cfg.direct:
             from services.worker.kv_export import Peers
-            self.peers = Peers(cfg.peer_credentials, tuple(kv_caches[0].shape), kv_caches[0].dtype, self.device)
+            self.peers = Peers(cfg.peer_credentials, tuple(kv_caches[0].shape), kv_caches[0].dtype, self.device,
+                               transport=cfg.direct_transport, local=exported)
         self._jobs: collections.deque = collections.deque()
         self._done: collections.deque = collections.deque()
         self._saved: collections.deque = collections.deque()   # SaveResults, in submission order
@@ -287,6 +289,14 @@ class KvTiers:
         if any(not 0 <= b < peer.num_blocks for b in job.src_block_ids):
             log.warning("direct hand-off from %s names blocks outside its cache", job.peer)
             return 0
+        if peer.nixl_remote is not None:   # another host (or --kv-direct-transport nixl)
+            if not peer.read_nixl(list(job.src_block_ids), list(job.block_ids), deadline):
+                log.warning("direct hand-off from %s over NIXL failed or timed out", job.peer)
+                return 0
+            if job.lease_deadline_ns and time.time_ns() >= job.lease_deadline_ns:
+                return 0
+            self.stats["direct_blocks"] += len(job.block_ids)
+            return len(job.block_ids)
         src = torch.tensor(list(job.src_block_ids), dtype=torch.long, device=self.device)
         dst = self._index(job.block_ids)
         two = self.block_shape[1]

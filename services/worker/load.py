@@ -99,7 +99,8 @@ def tier_config(cfg: WorkerConfig, runner: ModelRunner):
         return None
     return TierConfig(offload_bytes=int(cfg.kv_offload_gb * 2**30), client=client, make_namespace=make_ns,
                       load_timeout_s=cfg.kv_load_timeout_ms / 1e3, save_buffer_bytes=int(cfg.kv_save_buffer_mb * 2**20),
-                      direct=direct, peer_credentials=cfg.internal_tls.channel_credentials() if direct else None)
+                      direct=direct, peer_credentials=cfg.internal_tls.channel_credentials() if direct else None,
+                      direct_transport=cfg.kv_direct_transport)
 
 
 def model_source(cfg: WorkerConfig) -> RunnerSource:

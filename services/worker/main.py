@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--kv-export", action="store_true",
                    help="direct prefill->decode hand-offs on one host (docs/pd.md): keep the KV cache in memory "
                         "another worker can map (memfd / CUDA IPC) and copy handed-off blocks from peers' caches")
+    p.add_argument("--kv-direct-transport", default="auto", choices=["auto", "mmap", "nixl"],
+                   help="direct hand-offs: auto = the mapped cache (memfd / CUDA IPC) on one host, NIXL for a peer "
+                        "on another host; mmap or nixl: always that one")
     p.add_argument("--kv-save-buffer-mb", type=float, default=256.0,
                    help="host buffers of kvstore saves in flight; past them a save is dropped, never waited for")
     internal_tls.add_flags(p)
@@ -101,7 +104,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                             zmq_curve=CurveServerKeys(a.zmq_curve_secret_key, a.zmq_curve_clients),
                             engine_id=a.engine_id, metrics_port=a.metrics_port, kvstore_addr=a.kvstore_addr,
                             kv_offload_gb=a.kv_offload_gb, kv_load_timeout_ms=a.kv_load_timeout_ms,
-                            kv_save_buffer_mb=a.kv_save_buffer_mb, kv_export=a.kv_export)
+                            kv_save_buffer_mb=a.kv_save_buffer_mb, kv_export=a.kv_export,
+                            kv_direct_transport=a.kv_direct_transport)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -206,7 +206,7 @@ class ModelRunner:
 
     def _build_tiers(self) -> None:
         from services.worker.kv_tiers import KvTiers
-        self.tiers = KvTiers(self.kv_caches, self.block_size, self.tier_config)
+        self.tiers = KvTiers(self.kv_caches, self.block_size, self.tier_config, self.exported)
 
     @property
     def max_requests(self) -> int:

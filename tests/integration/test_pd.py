@@ -112,6 +112,8 @@ def test_seeded_sampling_logprobs_n_and_stop_strings_match(pd, mesh):
     a, b = lp_pd["choices"][0]["logprobs"], lp_co["choices"][0]["logprobs"]
     assert a["tokens"] == b["tokens"]
     assert [round(x, 3) for x in a["token_logprobs"]] == [round(x, 3) for x in b["token_logprobs"]]
+    penalized = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "max_tokens": 16}
+    assert ids(complete(pd, p, **penalized)) == ids(complete(mesh, p, **penalized))
     three = complete(pd, p, n=3, temperature=0.8, seed=5)
     assert len(three["choices"]) == 3 and all(len(ids(three, i)) == 10 for i in range(3))
     full = complete(mesh, p, max_tokens=10)["choices"][0]["text"]

@@ -40,3 +40,50 @@ def test_a_mapping_that_is_not_the_peers_cache_is_refused(break_it):
         dtype = torch.bfloat16
     with pytest.raises(ValueError):
         PeerCache(desc, shape, dtype, torch.device("cpu"))
+
+
+def _peer(tmp_path):
+    import subprocess
+    import sys
+    import time
+    portfile, donefile = tmp_path / "port", tmp_path / "done"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.unit.kv_export_peer", str(portfile), str(donefile)])
+    deadline = time.monotonic() + 60
+    while not (portfile.exists() and portfile.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the peer did not start"
+        time.sleep(0.05)
+    port, has_nixl = portfile.read_text().split()
+    return proc, donefile, f"127.0.0.1:{port}", has_nixl == "1"
+
+
+@pytest.mark.parametrize("transport", ["mmap", "nixl"])
+def test_a_handed_off_block_is_copied_from_another_process_over_each_transport(tmp_path, transport):
+    """The decode side's KvTiers copies a peer process's blocks (src ids) into its own (dst ids):
+    through the mapped memfd, and through NIXL (UCX) as between two hosts."""
+    from services.worker.kv_export import Peers
+    from services.worker.kv_tiers import KvTiers, TierConfig
+    from services.worker.plan import TierBlocks
+    from tests.unit.kv_export_peer import LAYERS
+    proc, donefile, addr, has_nixl = _peer(tmp_path)
+    try:
+        assert has_nixl, "NIXL must be installed (requirements.txt)"
+        shape = (2, 16, 4, 3, 8)
+        local = ExportedCache(LAYERS, shape, torch.float32, torch.device("cpu"))
+        tiers = KvTiers(local.layers, 4, TierConfig(direct=True, direct_transport=transport), local)
+        src, dst = [3, 4, 11, 19], [0, 7, 8, 15]
+        tiers.start_loads([TierBlocks("r", dst, [], addr, src)])
+        got = []
+        for _ in range(200):
+            got = tiers.take_loads(0.05)
+            if got:
+                break
+        assert got and got[0].num_loaded == 4, got
+        # The peer's bytes, read through a plain mapping of its cache.
+        truth = Peers(None, shape, torch.float32, torch.device("cpu"), transport="mmap").get(addr)
+        for mine, theirs in zip(local.layers, truth.layers):
+            assert torch.equal(mine[:, dst], theirs[:, src])
+            assert not mine[:, 1].any()   # nothing else was written
+        tiers.close()
+    finally:
+        donefile.write_text("1")
+        proc.wait(30)
