@@ -195,8 +195,9 @@ def test_dashboard_references_only_metrics_that_exist(endpoints):
 
 def _check_timing(timing: dict) -> None:
     parts = ("queue_ms", "prefill_ms", "decode_ms", "tokenize_ms", "detokenize_ms")
-    assert set(timing) == {*parts, "total_ms"}
+    assert set(timing) == {*parts, "total_ms", "kv_transfer_ms"}
     assert all(timing[k] >= 0 for k in timing), timing
+    assert timing["kv_transfer_ms"] == 0.0   # a colocated engine hands nothing over (docs/pd.md)
     assert timing["prefill_ms"] > 0 and timing["decode_ms"] > 0 and timing["tokenize_ms"] > 0
     # The scheduler's interval lies inside the gateway's (after tokenizing, before the last
     # token is ready); detokenize overlaps decode, so it is bounded by the total alone.
@@ -229,7 +230,7 @@ def test_timing_breakdown_over_http_and_grpc(mesh):
     assert out[-1].HasField("timing") and not any(r.HasField("timing") for r in out[:-1])
     t = out[-1].timing
     _check_timing({f: getattr(t, f) for f in ("queue_ms", "prefill_ms", "decode_ms", "tokenize_ms",
-                                              "detokenize_ms", "total_ms")})
+                                              "detokenize_ms", "total_ms", "kv_transfer_ms")})
 
 
 def test_latency_exemplars_carry_the_requests_trace_id(smollm2_dir):

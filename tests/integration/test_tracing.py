@@ -138,7 +138,8 @@ def test_client_traceparent_is_followed_and_unsampled_request_leaves_no_spans(tr
 
 def test_kv_tier_lookup_and_save_are_spans_of_the_request(traced):
     """The mesh's engine uses the kvstore (meshllm serve starts one): a prompt it has never seen
-    is looked up there (nothing found) and its full blocks are saved, both under scheduler.request."""
+    whole is looked up there (at most the chat template's first block, shared with earlier
+    requests, is found) and its new full blocks are saved, both under scheduler.request."""
     mesh, rx = traced
     words = " ".join(f"item{i}" for i in range(120))
     body = json.dumps({"model": mesh.model_name, "max_tokens": 3,
@@ -150,8 +151,9 @@ def test_kv_tier_lookup_and_save_are_spans_of_the_request(traced):
     spans = _complete_trace(rx, out["id"])
     sched = _one(spans, "scheduler.request")
     lookup = _one(spans, "kv.lookup")
-    assert lookup.parent_span_id == sched.span_id and lookup.attributes["meshllm.kv.blocks_found"] == 0
+    full = out["usage"]["prompt_tokens"] // 16
+    assert lookup.parent_span_id == sched.span_id and lookup.attributes["meshllm.kv.blocks_found"] <= 2
     saves = [s for s in spans if s.name == "kv.save"]
     assert saves and all(s.parent_span_id == sched.span_id for s in saves)
-    assert sum(s.attributes["meshllm.kv.blocks"] for s in saves) == out["usage"]["prompt_tokens"] // 16
+    assert full - 2 <= sum(s.attributes["meshllm.kv.blocks"] for s in saves) <= full
     assert sched.start_ns <= lookup.start_ns <= lookup.end_ns <= sched.end_ns
