@@ -72,7 +72,7 @@ class MeshConfig:
     kv_load_failure_policy: str = "recompute"
     kv_handoff: str = "direct"             # direct (peer worker's mapped cache) or kvstore
     kv_lease_s: float = 30.0               # direct: a hand-off's blocks held at most this long
-    kv_direct_transport: str = "auto"      # direct: mmap / CUDA IPC on one host, NIXL across hosts
+    kv_direct_transport: str = "mmap"      # direct: mmap / CUDA IPC (one host), nixl, or auto (both)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):

@@ -78,9 +78,9 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--kv-handoff", default="direct", choices=["direct", "kvstore"],
                    help="how prefill engines hand KV to decode engines: direct (the decode worker copies the "
                         "blocks out of the prefill worker's cache: same host, memfd / CUDA IPC) or kvstore")
-    p.add_argument("--kv-direct-transport", default="auto", choices=["auto", "mmap", "nixl"],
-                   help="direct hand-offs: auto = the mapped cache (memfd / CUDA IPC) on one host and NIXL for "
-                        "another host; mmap or nixl: always that one")
+    p.add_argument("--kv-direct-transport", default="mmap", choices=["mmap", "nixl", "auto"],
+                   help="direct hand-offs: mmap = the mapped cache (memfd / CUDA IPC; every engine of this launcher "
+                        "shares the host); nixl = NIXL (UCX); auto = mmap on one host, NIXL across hosts")
     p.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="direct hand-offs: the prefill engine holds the blocks at most this long for the decode one")
     p.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer replicas (the gateway fails over)")

@@ -54,7 +54,7 @@ class WorkerConfig:
     kv_load_timeout_ms: float = 2000.0 # a kvstore fetch not done by then is cut short (recomputed)
     kv_save_buffer_mb: float = 256.0   # host buffers of saves in flight (past them saves are dropped)
     kv_export: bool = False            # direct hand-offs (docs/pd.md): a KV cache peers can map, and map theirs
-    kv_direct_transport: str = "auto"  # kv_export.TRANSPORTS: mmap/CUDA IPC on one host, NIXL across hosts
+    kv_direct_transport: str = "mmap"  # kv_export.TRANSPORTS: mmap/CUDA IPC on one host; nixl; auto (both)
     bound_grpc_addr: str = ""          # set once the gRPC port is bound (its WorkerControl: ExportKv)
 
     def __post_init__(self) -> None:

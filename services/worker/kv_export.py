@@ -21,6 +21,7 @@ The prefill engine keeps the handed-off blocks under a lease until the decode si
 scheduler's part)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
@@ -45,7 +46,11 @@ def _boot_id() -> str:
         return ""
 
 
-TRANSPORTS = ("auto", "mmap", "nixl")   # auto: mmap / CUDA IPC on the same host, NIXL for another
+# mmap (the default): the mapped cache (memfd / CUDA IPC), same host only; nixl: always NIXL;
+# auto: mmap on the same host, NIXL for another. NIXL is imported only for nixl and auto: its
+# bundled libraries can clash with others already loaded in a process (an abort seen when
+# grpc_tools' compiler was loaded first), so a worker that does not ask for it never loads it.
+TRANSPORTS = ("mmap", "nixl", "auto")
 
 
 def nixl_api():
@@ -68,7 +73,7 @@ class ExportedCache:
     """One allocation holding every layer's cache ([L, 2, NB, bs, kvh, hd]) that a peer can map."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 nixl: bool = True) -> None:
+                 nixl: bool = False) -> None:
         self.num_layers, self.shape, self.dtype, self.device = num_layers, tuple(shape), dtype, device
         numel = num_layers
         for n in shape:
@@ -223,13 +228,16 @@ class Peers:
     """Mapped peers by WorkerControl address (asked once, mapped again after a failure)."""
 
     def __init__(self, credentials: grpc.ChannelCredentials | None, local_shape, local_dtype, device,
-                 timeout_s: float = 2.0, transport: str = "auto", local: ExportedCache | None = None) -> None:
+                 timeout_s: float = 2.0, transport: str = "mmap", local: ExportedCache | None = None) -> None:
         self.credentials, self.local_shape, self.local_dtype, self.device = credentials, local_shape, local_dtype, device
         self.transport, self.local = transport, local
         self.timeout_s = timeout_s
         self._peers: dict[str, PeerCache] = {}
         self._stubs: dict[str, tuple] = {}    # addr -> (channel, WorkerControl stub)
         self._lock = threading.Lock()
+        # A gRPC channel still open when the interpreter exits can abort it ("terminate called
+        # without an active exception"): close ours first.
+        atexit.register(self.close)
 
     def get(self, addr: str) -> PeerCache:
         """The peer's cache as it exports it now: asked every time (one small RPC), mapped again

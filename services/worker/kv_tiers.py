@@ -43,7 +43,7 @@ class TierConfig:
     save_buffer_bytes: int = 256 << 20     # host buffers of saves not yet put (pinned on a GPU)
     direct: bool = False                   # copy handed-off blocks from peer workers (kv_export.py)
     peer_credentials: object | None = None # internal mTLS for their WorkerControl
-    direct_transport: str = "auto"         # kv_export.TRANSPORTS
+    direct_transport: str = "mmap"         # kv_export.TRANSPORTS
 
 
 class _Buffers:
@@ -274,6 +274,21 @@ class KvTiers:
                 self._cond.notify_all()
 
     def _fetch_direct(self, job: TierBlocks, deadline: float) -> int:
+        t0 = time.perf_counter()
+        n = self._copy_direct(job, deadline)
+        from services.common import kv_client as m   # the tier metrics, tier="direct"
+        if n:
+            m.HITS.labels("direct").inc(n)
+            m.BYTES.labels("direct", "load").inc(n * self.block_bytes)
+            dt = time.perf_counter() - t0
+            m.SECONDS.labels("direct", "load").observe(dt)
+            if dt > 0:
+                m.GBPS.labels("direct", "load").set(n * self.block_bytes / dt / 1e9)
+        else:
+            m.MISSES.labels("direct").inc(len(job.block_ids))
+        return n
+
+    def _copy_direct(self, job: TierBlocks, deadline: float) -> int:
         """Copy a hand-off's blocks out of the peer worker's cache (mapped memfd or CUDA IPC), all of
         it before the peer's lease on them ends (after it, they may hold another request's KV)."""
         margin = 50_000_000   # 50 ms

@@ -46,7 +46,8 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
                          enforce_eager=cfg.enforce_eager, kv_cache_dtype=cfg.kv_torch_dtype,
                          seed_rng=tp.seed_rng if tp is not None else None,
                          tokenizer_path=os.path.join(cfg.model, "tokenizer.json"),
-                         export_kv=cfg.kv_export and cfg.tensor_parallel_size == 1)
+                         export_kv=cfg.kv_export and cfg.tensor_parallel_size == 1,
+                         export_nixl=cfg.kv_direct_transport in ("nixl", "auto"))
     if runner.exported is not None:
         runner.kv_export_addr = cfg.bound_grpc_addr
     runner.constraints.warm()   # structured outputs' tokenizer, built in the background now

@@ -75,9 +75,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--kv-export", action="store_true",
                    help="direct prefill->decode hand-offs on one host (docs/pd.md): keep the KV cache in memory "
                         "another worker can map (memfd / CUDA IPC) and copy handed-off blocks from peers' caches")
-    p.add_argument("--kv-direct-transport", default="auto", choices=["auto", "mmap", "nixl"],
-                   help="direct hand-offs: auto = the mapped cache (memfd / CUDA IPC) on one host, NIXL for a peer "
-                        "on another host; mmap or nixl: always that one")
+    p.add_argument("--kv-direct-transport", default="mmap", choices=["mmap", "nixl", "auto"],
+                   help="direct hand-offs: mmap = the mapped cache (memfd / CUDA IPC), same host only; nixl = NIXL "
+                        "(UCX) always; auto = mmap on one host, NIXL for a peer on another (nixl and auto load NIXL)")
     p.add_argument("--kv-save-buffer-mb", type=float, default=256.0,
                    help="host buffers of kvstore saves in flight; past them a save is dropped, never waited for")
     internal_tls.add_flags(p)

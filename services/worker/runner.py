@@ -115,10 +115,12 @@ class ModelRunner:
                  num_kv_blocks: int | None = None, block_size: int = 16,
                  enforce_eager: bool = False, max_num_tokens: int = 16384,
                  seed_rng: random.Random | None = None, kv_cache_dtype: torch.dtype | None = None,
-                 tokenizer_path: str | None = None, export_kv: bool = False) -> None:
+                 tokenizer_path: str | None = None, export_kv: bool = False, export_nixl: bool = False) -> None:
         self.model = model
-        # Direct hand-offs (kv_export.py): the cache in memory a peer worker can map.
+        # Direct hand-offs (kv_export.py): the cache in memory a peer worker can map (and, with
+        # export_nixl, registered with a NIXL agent for peers on other hosts).
         self.export_kv = export_kv
+        self.export_nixl = export_nixl
         self.exported = None
         self.kv_export_addr = ""
         # Structured outputs need the model's tokenizer.json (None: constrained requests end at once).
@@ -178,7 +180,8 @@ class ModelRunner:
         # would leak through the masked softmax.
         if self.export_kv:
             from services.worker.kv_export import ExportedCache
-            self.exported = ExportedCache(self.model.cfg.num_layers, shape, self.kv_dtype, self.model.device)
+            self.exported = ExportedCache(self.model.cfg.num_layers, shape, self.kv_dtype, self.model.device,
+                                          nixl=self.export_nixl)
             self.kv_caches = self.exported.layers
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import time
 
@@ -54,6 +55,12 @@ def pd(smollm2_dir):
 @pytest.fixture(scope="module")
 def pd_kvstore(smollm2_dir):
     m = _pd_mesh(smollm2_dir, "--kv-handoff", "kvstore")
+    # The workers' kvstore clients may have tried the store before it was up (then they retry
+    # within 5 s): wait for a first hand-off that carried blocks.
+    deadline = time.monotonic() + 30
+    while complete(m, passage(99, 40))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0:
+        assert time.monotonic() < deadline, "no hand-off went through the kvstore"
+        time.sleep(0.5)
     yield m
     _stop(m)
 
@@ -64,6 +71,13 @@ def complete(m, prompt: str, **extra) -> dict:
     r = httpx.post(f"{m.http_url}/v1/completions", json=body, timeout=180)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def metric_urls(m) -> list[tuple[str, str]]:
+    """(service name, /metrics url) from the launcher's services line."""
+    log = open(m.log_path).read()
+    return [(name, f"http://{addr}/metrics") for name, addr in
+            re.findall(r" ([\w-]+)-metrics=(127\.0\.0\.1:\d+)", log)]
 
 
 def ids(body: dict, i: int = 0) -> list[int]:
@@ -78,9 +92,19 @@ def load(m, replica: str) -> "pb.engine.LoadInfo":
 def test_the_replicas_have_roles(pd):
     rs = replicas(pd)
     assert (rs["engine-0"].role, rs["engine-1"].role) == ("prefill", "decode")
+    text = httpx.get(f"{pd.http_url}/metrics", timeout=10).text
+    assert 'meshllm:engine_replica_role{replica="engine-0",role="prefill"} 1.0' in text
+    assert 'meshllm:engine_replica_role{replica="engine-1",role="decode"} 1.0' in text
+
+
+def handoffs(m, outcome: str) -> float:
+    text = httpx.get(f"{m.http_url}/metrics", timeout=10).text
+    found = re.search(rf'^meshllm:gateway_pd_handoffs_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def check_handed_over(m, mesh, path: str, seed: int) -> None:
+    before = handoffs(m, path)
     prompts = [passage(seed + i, 60 + 25 * i) for i in range(5)]
     for p in prompts:
         got, want = complete(m, p), complete(mesh, p)
@@ -88,8 +112,14 @@ def check_handed_over(m, mesh, path: str, seed: int) -> None:
         n = got["usage"]["prompt_tokens"]
         # The decode engine got every full block: it computed only the last partial one.
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16, got["usage"]
-    text = httpx.get(f"{m.http_url}/metrics", timeout=10).text
-    assert f'meshllm:gateway_pd_handoffs_total{{outcome="{path}"}} 5.0' in text, text[-600:]
+    assert handoffs(m, path) - before == 5
+    # Bytes moved, on the decode engine's worker (the tier metrics, tier="direct" or "kvstore").
+    worker = [u for u in metric_urls(m) if "worker-1" in u[0]]
+    tier = "direct" if path == "direct" else "kvstore"
+    moved = httpx.get(worker[0][1], timeout=10).text
+    loads = [float(v) for labels, v in re.findall(r'^meshllm:kv_tier_bytes_total\{([^}]*)\} (\S+)$', moved, re.M)
+             if f'tier="{tier}"' in labels and 'direction="load"' in labels]
+    assert loads and loads[0] > 0, moved[-800:]
 
 
 def test_greedy_outputs_match_a_colocated_mesh_and_the_kv_was_handed_over_directly(pd, mesh):
@@ -120,6 +150,25 @@ def test_seeded_sampling_logprobs_n_and_stop_strings_match(pd, mesh):
     stop = full.strip().split()[1] if len(full.strip().split()) > 1 else full[:3]
     cut = complete(pd, p, stop=[stop])
     assert cut["choices"][0]["finish_reason"] == "stop" and stop not in cut["choices"][0]["text"]
+
+
+def test_structured_output_continues_its_grammar_on_the_decode_engine(pd, mesh):
+    """The decode engine's grammar matcher starts from the prefill engine's first token (resume
+    tokens): the JSON is valid and identical to the colocated mesh's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": passage(450, 60) + " Describe a person as JSON."}],
+            "max_tokens": 64, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    outs = []
+    for m in (pd, mesh):
+        r = httpx.post(f"{m.http_url}/v1/chat/completions", json={"model": m.model_name, **body}, timeout=180)
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["choices"][0]["message"]["content"])
+    assert outs[0] == outs[1]
+    person = json.loads(outs[0])
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
 
 
 def test_timing_has_the_kv_transfer_and_clients_cannot_pass_transfer_parameters(pd):

@@ -1,9 +1,14 @@
-"""A peer worker for test_worker_kv_export.py: an exported CPU KV cache (memfd + NIXL agent) filled
-with seeded random values, served by WorkerControl.ExportKv until told to stop.
+"""Both ends of a direct hand-off for test_worker_kv_export.py, each in its own process (NIXL is
+loaded only in these, never in the test process: tests/unit/test_worker_kv_export.py says why).
 
-    python -m tests.unit.kv_export_peer PORTFILE DONEFILE"""
+    python -m tests.unit.kv_export_peer prefill PORTFILE DONEFILE TRANSPORT
+        an exported CPU cache with seeded random values, served by WorkerControl.ExportKv
+    python -m tests.unit.kv_export_peer decode ADDR TRANSPORT
+        copies 4 blocks of the peer at ADDR through KvTiers, checks them against a plain mapping
+        of the peer's cache, prints a JSON line and exits 0 when they match"""
 from __future__ import annotations
 
+import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +19,12 @@ import torch
 
 from services.common import pb
 from services.common.ports import free_port
-from services.worker.kv_export import ExportedCache
+from services.worker.kv_export import ExportedCache, Peers
 
 SHAPE = (2, 20, 4, 3, 8)
+LOCAL_SHAPE = (2, 16, 4, 3, 8)
 LAYERS = 3
+SRC, DST = [3, 4, 11, 19], [0, 7, 8, 15]
 
 
 class _Export(pb.control_grpc.WorkerControlServicer):
@@ -28,9 +35,8 @@ class _Export(pb.control_grpc.WorkerControlServicer):
         return self.cache.describe()
 
 
-def main() -> int:
-    portfile, donefile = Path(sys.argv[1]), Path(sys.argv[2])
-    cache = ExportedCache(LAYERS, SHAPE, torch.float32, torch.device("cpu"))
+def prefill(portfile: Path, donefile: Path, transport: str) -> int:
+    cache = ExportedCache(LAYERS, SHAPE, torch.float32, torch.device("cpu"), nixl=transport != "mmap")
     g = torch.Generator().manual_seed(3)
     for layer in cache.layers:
         layer.copy_(torch.randn(SHAPE, generator=g))
@@ -47,5 +53,31 @@ def main() -> int:
     return 0
 
 
+def decode(addr: str, transport: str) -> int:
+    from services.worker.kv_tiers import KvTiers, TierConfig
+    from services.worker.plan import TierBlocks
+    local = ExportedCache(LAYERS, LOCAL_SHAPE, torch.float32, torch.device("cpu"), nixl=transport != "mmap")
+    tiers = KvTiers(local.layers, 4, TierConfig(direct=True, direct_transport=transport), local)
+    tiers.start_loads([TierBlocks("r", DST, [], addr, SRC)])
+    got = []
+    for _ in range(400):
+        got = tiers.take_loads(0.05)
+        if got:
+            break
+    peers = Peers(None, LOCAL_SHAPE, torch.float32, torch.device("cpu"), transport="mmap")
+    truth = peers.get(addr)
+    same = all(torch.equal(mine[:, DST], theirs[:, SRC]) for mine, theirs in zip(local.layers, truth.layers))
+    untouched = not any(mine[:, 1].any() for mine in local.layers)
+    loaded = got[0].num_loaded if got else -1
+    via = "nixl" if any(p.nixl_remote for p in tiers.peers._peers.values()) else "mmap"
+    print(json.dumps({"loaded": loaded, "same": same, "untouched": untouched, "via": via,
+                      "nixl_local": local.agent is not None}), flush=True)
+    peers.close()
+    tiers.close()
+    return 0 if loaded == len(SRC) and same and untouched else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1] == "prefill":
+        sys.exit(prefill(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]))
+    sys.exit(decode(sys.argv[2], sys.argv[3]))

@@ -19,7 +19,7 @@ def test_prefill_and_decode_engines_get_their_roles_and_the_direct_flags(smollm2
     assert sorted(_flag(a, "--kv-role") for a in schedulers) == ["decode", "prefill", "prefill"]
     assert all(float(_flag(a, "--kv-lease-s")) == 7.0 and _flag(a, "--kv-load-failure-policy") == "recompute"
                for a in schedulers)
-    assert all("--kv-export" in a and _flag(a, "--kv-direct-transport") == "auto" for a in workers)
+    assert all("--kv-export" in a and _flag(a, "--kv-direct-transport") == "mmap" for a in workers)
 
 
 def test_the_kvstore_hand_off_exports_nothing(smollm2_dir, cleanup):  # noqa: F811

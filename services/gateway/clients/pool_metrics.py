@@ -25,9 +25,13 @@ class PoolCollector:
         inflight = GaugeMetricFamily(PREFIX + "engine_replica_requests_inflight",
                                      "requests the gateway has in flight on the replica",
                                      labels=["replica"])
+        role = GaugeMetricFamily(PREFIX + "engine_replica_role", "1 for the replica's kv_role (docs/pd.md): "
+                                 "prefill, decode, or colocated", labels=["replica", "role"])
         for r in self.pool.replicas():
             rid = r.spec.replica_id
             routable.add_metric([rid], 1.0 if r.routable else 0.0)
+            if r.client.info is not None:
+                role.add_metric([rid, r.client.info.kv_role or "colocated"], 1.0)
             outstanding.add_metric([rid], r.client.outstanding_tokens)
             inflight.add_metric([rid], r.client.num_inflight)
         routed = CounterMetricFamily(PREFIX + "gateway_routed_requests",
@@ -46,7 +50,7 @@ class PoolCollector:
                                        labels=["outcome"])
         for outcome, n in sorted(self.pool.handoffs.items()):
             handoffs.add_metric([outcome], n)
-        yield from (routable, outstanding, inflight, routed, retried, handoffs)
+        yield from (routable, outstanding, inflight, routed, retried, handoffs, role)
 
 
 def register(pool) -> None:
