@@ -1,9 +1,10 @@
 """Both ends of a direct hand-off for test_worker_kv_export.py, each in its own process (NIXL is
 loaded only in these, never in the test process: tests/unit/test_worker_kv_export.py says why).
 
-    python -m tests.unit.kv_export_peer prefill PORTFILE DONEFILE TRANSPORT
-        an exported CPU cache with seeded random values, served by WorkerControl.ExportKv
-    python -m tests.unit.kv_export_peer decode ADDR TRANSPORT
+    python -m tests.unit.kv_export_peer prefill PORTFILE DONEFILE TRANSPORT [DEVICE]
+        an exported cache (CPU, or cuda: CUDA IPC) with seeded random values, served by
+        WorkerControl.ExportKv
+    python -m tests.unit.kv_export_peer decode ADDR TRANSPORT [DEVICE]
         copies 4 blocks of the peer at ADDR through KvTiers, checks them against a plain mapping
         of the peer's cache, prints a JSON line and exits 0 when they match"""
 from __future__ import annotations
@@ -35,11 +36,11 @@ class _Export(pb.control_grpc.WorkerControlServicer):
         return self.cache.describe()
 
 
-def prefill(portfile: Path, donefile: Path, transport: str) -> int:
-    cache = ExportedCache(LAYERS, SHAPE, torch.float32, torch.device("cpu"), nixl=transport != "mmap")
+def prefill(portfile: Path, donefile: Path, transport: str, device: str = "cpu") -> int:
+    cache = ExportedCache(LAYERS, SHAPE, torch.float32, torch.device(device), nixl=transport != "mmap")
     g = torch.Generator().manual_seed(3)
     for layer in cache.layers:
-        layer.copy_(torch.randn(SHAPE, generator=g))
+        layer.copy_(torch.randn(SHAPE, generator=g).to(device))
     server = grpc.server(ThreadPoolExecutor(2))
     pb.control_grpc.add_WorkerControlServicer_to_server(_Export(cache), server)
     port = free_port()
@@ -53,10 +54,10 @@ def prefill(portfile: Path, donefile: Path, transport: str) -> int:
     return 0
 
 
-def decode(addr: str, transport: str) -> int:
+def decode(addr: str, transport: str, device: str = "cpu") -> int:
     from services.worker.kv_tiers import KvTiers, TierConfig
     from services.worker.plan import TierBlocks
-    local = ExportedCache(LAYERS, LOCAL_SHAPE, torch.float32, torch.device("cpu"), nixl=transport != "mmap")
+    local = ExportedCache(LAYERS, LOCAL_SHAPE, torch.float32, torch.device(device), nixl=transport != "mmap")
     tiers = KvTiers(local.layers, 4, TierConfig(direct=True, direct_transport=transport), local)
     tiers.start_loads([TierBlocks("r", DST, [], addr, SRC)])
     got = []
@@ -64,7 +65,7 @@ def decode(addr: str, transport: str) -> int:
         got = tiers.take_loads(0.05)
         if got:
             break
-    peers = Peers(None, LOCAL_SHAPE, torch.float32, torch.device("cpu"), transport="mmap")
+    peers = Peers(None, LOCAL_SHAPE, torch.float32, torch.device(device), transport="mmap")
     truth = peers.get(addr)
     same = all(torch.equal(mine[:, DST], theirs[:, SRC]) for mine, theirs in zip(local.layers, truth.layers))
     untouched = not any(mine[:, 1].any() for mine in local.layers)
@@ -79,5 +80,5 @@ def decode(addr: str, transport: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "prefill":
-        sys.exit(prefill(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]))
-    sys.exit(decode(sys.argv[2], sys.argv[3]))
+        sys.exit(prefill(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], *sys.argv[5:6]))
+    sys.exit(decode(sys.argv[2], sys.argv[3], *sys.argv[4:5]))
