@@ -139,3 +139,17 @@ def _start_mesh_once(model_dir: str, extra: tuple[str, ...], ready_timeout_s: fl
             mesh.stop()
             raise TimeoutError("the mesh did not become ready in time")
         time.sleep(0.3)
+
+
+def stop_checked(mesh: MeshProcess, seen: set[int], grace_s: float = 15.0) -> None:
+    """Stop a module's mesh: the launcher exits 0 and no process it ever ran (`seen`, restarted
+    ones included) outlives it; stragglers are killed, then reported."""
+    seen |= set(mesh.service_pids())
+    assert mesh.stop() == 0
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in seen):
+        time.sleep(0.2)
+    left = [p for p in seen if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes left after the mesh stopped: {left}"

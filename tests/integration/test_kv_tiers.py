@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.meshproc import alive, service_name, start_mesh
+from tests.integration.meshproc import service_name, start_mesh, stop_checked
 from tests.integration.test_supervisor_failures import replicas, wait_recovered
 
 ADMIN = "admin-key-kvt-0001"
@@ -31,12 +31,7 @@ def mesh(smollm2_dir):
                    "--admin-api-key", ADMIN)
     m.seen = set(m.service_pids())
     yield m
-    m.seen |= set(m.service_pids())
-    assert m.stop() == 0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(alive(p) for p in m.seen):
-        time.sleep(0.2)
-    assert not [p for p in m.seen if alive(p)], "services left running after the mesh stopped"
+    stop_checked(m, m.seen)
 
 
 def passage(seed: int, words: int = PROMPT_WORDS) -> str:

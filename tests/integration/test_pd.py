@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from services.common import pb
-from tests.integration.meshproc import alive, service_name, start_mesh
+from tests.integration.meshproc import service_name, start_mesh, stop_checked
 from tests.integration.test_kv_tiers import passage
 from tests.integration.test_supervisor_failures import replicas, wait_recovered
 
@@ -34,15 +34,6 @@ def _pd_mesh(smollm2_dir, *extra):
                    "--max-num-seqs", "32", *extra)
     m.seen = set(m.service_pids())
     return m
-
-
-def _stop(m) -> None:
-    m.seen |= set(m.service_pids())
-    assert m.stop() == 0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(alive(p) for p in m.seen):
-        time.sleep(0.2)
-    assert not [p for p in m.seen if alive(p)], "services left running after the mesh stopped"
 
 
 def _warm(m) -> None:
@@ -59,7 +50,7 @@ def pd(smollm2_dir):
     m = _pd_mesh(smollm2_dir, "--kv-lease-s", str(LEASE_S))
     _warm(m)
     yield m
-    _stop(m)
+    stop_checked(m, m.seen)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +58,7 @@ def pd_kvstore(smollm2_dir):
     m = _pd_mesh(smollm2_dir, "--kv-handoff", "kvstore")
     _warm(m)   # also: the workers' kvstore clients may have tried the store before it was up
     yield m
-    _stop(m)
+    stop_checked(m, m.seen)
 
 
 def complete(m, prompt: str, **extra) -> dict:

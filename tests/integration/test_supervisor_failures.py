@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.common import pb
-from tests.integration.meshproc import alive, service_name, start_mesh
+from tests.integration.meshproc import alive, service_name, start_mesh, stop_checked
 
 RECOVERY_S = 45       # generous: CI is slower than this machine
 STREAM_END_S = 30     # an in-flight stream must end (with an error) well before its own length
@@ -32,15 +32,7 @@ def mesh(smollm2_dir):
                    "--progress-timeout-s", "2", "--shutdown-grace-s", "10")
     m.seen = set(m.service_pids())
     yield m
-    m.seen |= set(m.service_pids())
-    assert m.stop() == 0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(alive(p) for p in m.seen):
-        time.sleep(0.2)
-    left = [p for p in m.seen if alive(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
-    assert not left, f"processes left after the mesh stopped: {left}"
+    stop_checked(m, m.seen)
 
 
 def replicas(mesh) -> dict[str, pb.supervisor.Replica]:

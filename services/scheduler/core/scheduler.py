@@ -164,10 +164,11 @@ class Scheduler:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is not None and req.request_id in self.leases:
-                self._finish(req)   # a released lease: its hand-off output was the last one
-            elif req is not None:
-                self._finish(req)
+            if req is None:
+                continue
+            released = rid in self.leases   # a direct hand-off's lease: its hand-off output was the last
+            self._finish(req)
+            if not released:
                 self._pending_outputs.append(RequestOutput(rid, [], FinishReason.ABORT,
                                                            num_prompt_tokens=len(req.prompt_token_ids)))
 
