@@ -8,8 +8,9 @@ import struct
 from services.common.kv_blocks import MAX_HASH_BYTES, checksum
 
 MAGIC = b"MKVB"
-VERSION = 1
-# magic, version, hash length, size, crc32, namespace id (16 bytes); then the hash, then the data
+# 2: the checksum is CRC-32C (1 was zlib's CRC-32): a record of version 1 is refused, a miss.
+VERSION = 2
+# magic, version, hash length, size, crc32c, namespace id (16 bytes); then the hash, then the data
 _HEADER = struct.Struct("<4sBB2xQI16s")
 HEADER_BYTES = _HEADER.size
 
