@@ -112,9 +112,8 @@ class MeshConfig:
             if self.kv_handoff == "kvstore" and not (self.kv_tier or self.kvstore_addr):
                 raise ValueError("--kv-handoff kvstore hands the KV over through the kvstore: "
                                  "drop --no-kv-tier or give --kvstore-addr")
-            if self.tensor_parallel_size > 1:
-                raise ValueError("prefill/decode disaggregation with tensor-parallel engines is not supported "
-                                 "yet (each rank would hand over its own shard): use --tensor-parallel-size 1")
+            # Tensor parallel: every engine gets the one --tensor-parallel-size, so prefill and decode
+            # ranks pair up (rank r hands over to rank r; unequal sizes are refused at hand-off).
             self.data_parallel_size = self.prefill_replicas + self.decode_replicas
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("--kv-load-failure-policy must be recompute or fail")

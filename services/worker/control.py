@@ -19,7 +19,8 @@ class WorkerControlServicer(pb.control_grpc.WorkerControlServicer):
         """`profiler`: a StepProfiler; None with `refusal`: every StartProfile is refused."""
         self._profiler = profiler
         self._refusal = refusal
-        # Direct KV hand-offs (kv_export.py): set once the runner holds an exported cache.
+        # Direct KV hand-offs (kv_export.py): rank -> KvExport (LookupError: no such rank), set
+        # once the runner holds an exported cache (a tensor-parallel worker's rank 0 answers for all).
         self.kv_export = None
 
     async def ExportKv(self, request, context):
@@ -27,7 +28,10 @@ class WorkerControlServicer(pb.control_grpc.WorkerControlServicer):
         if describe is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker exports no KV cache (start it with --kv-export)")
-        return describe()
+        try:
+            return describe(request.tp_rank)
+        except LookupError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     async def StartProfile(self, request, context):
         if self._profiler is None:

@@ -13,7 +13,9 @@ step runs it takes the next plan the scheduler already sent (async scheduling) a
 too, and only then replies with the first step's result. Replies keep the plans' order.
 
 Tensor parallel: rank 0's engine fans each request's bytes out to the other ranks (its TpLink)
-before running it; ranks > 0 run `handle` on each (tp_ranks.follower_main). Torch-free.
+before running it; ranks > 0 run `handle` on each (tp_ranks.follower_main). The link also
+carries what the ranks must agree on (which KV tier jobs ended, tp_ranks.py) inside the fan-out,
+and every rank tells it when a hello was handled. Torch-free.
 """
 from __future__ import annotations
 
@@ -61,12 +63,14 @@ class Runner(Protocol):
 
 
 class TpFanout(Protocol):
-    """Rank 0's link to the other tensor-parallel ranks, as the engine uses it (tp_ranks.TpLink:
-    the engine defines what it needs, so it never imports tp_ranks, which imports the engine)."""
+    """A rank's link to the other tensor-parallel ranks, as the engine uses it (tp_ranks.TpLink:
+    the engine defines what it needs, so it never imports tp_ranks, which imports the engine).
+    send/heartbeat/send_stop are rank 0's; after_hello runs on every rank."""
 
     rank: int
 
     def send(self, payload: bytes) -> None: ...   # every rank runs every request
+    def after_hello(self) -> None: ...            # every rank, after each hello (a collective)
     def heartbeat(self) -> None: ...              # keep idle ranks inside the collectives' timeout
     def send_stop(self) -> None: ...
     def close(self) -> bool: ...                  # True: the group was torn down cleanly
@@ -157,6 +161,9 @@ class Engine:
             except PlanError as exc:
                 log.error("hello rejected: %s", exc)
                 return error_reply(str(exc)).SerializeToString()
+            finally:
+                if self.tp is not None:   # the same point on every rank
+                    self.tp.after_hello()
             log.info("scheduler hello: block_size %d -> %d KV blocks", info.block_size, info.num_kv_blocks)
             return wire.info_reply(info)
         if self.profiler is not None and self.profiler.active:   # a "meshllm.step" range

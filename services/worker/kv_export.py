@@ -17,6 +17,12 @@ handed straight out of it, with no store in between.
 
 The export descriptor travels over WorkerControl.ExportKv on the worker's gRPC port, which has
 internal mTLS like every internal hop, so only the mesh learns it (and NIXL's metadata with it).
+
+Tensor parallel: every rank exports its own shard (its own memfd, CUDA IPC allocation or NIXL
+agent); the ranks gather their descriptors on rank 0 (tp_ranks.TpLink.share_exports), whose
+ExportKv answers for each rank (`tp_rank`), and decode rank r copies from prefill rank r. Both
+workers must have the same tensor-parallel size: a peer of another size (or a descriptor of
+another rank) is refused, and that hand-off is recomputed (re-sharding is not implemented).
 The prefill engine keeps the handed-off blocks under a lease until the decode side has them (the
 scheduler's part)."""
 from __future__ import annotations
@@ -128,6 +134,27 @@ class ExportedCache:
         return msg
 
 
+def check_tp(desc: "pb.control.KvExport", tp_size: int, tp_rank: int) -> None:
+    """ValueError unless the descriptor is rank `tp_rank` of a worker of `tp_size` ranks."""
+    size = desc.tp_size or 1
+    if size != tp_size:
+        raise ValueError(f"the peer worker has tensor-parallel size {size}, this one {tp_size}: a hand-off "
+                         f"between different sizes needs the KV re-sharded, which is not supported "
+                         f"(give both the same --tensor-parallel-size)")
+    if desc.tp_rank != tp_rank:
+        raise ValueError(f"the peer described its rank {desc.tp_rank}, not rank {tp_rank}")
+
+
+def serve_exports(describe_rank):
+    """WorkerControl.kv_export for a worker: rank -> KvExport; LookupError for a rank it has not.
+    `describe_rank` is one cache's describe (tensor parallel size 1) or TpLink.export_of."""
+    def describe(rank: int) -> "pb.control.KvExport":
+        if rank != 0:
+            raise LookupError(f"this worker has tensor-parallel size 1; rank {rank} was asked for")
+        return describe_rank()
+    return describe
+
+
 class PeerCache:
     """A peer worker's exported cache, mapped here: `layers[l]` is its layer-l cache."""
 
@@ -228,8 +255,10 @@ class Peers:
     """Mapped peers by WorkerControl address (asked once, mapped again after a failure)."""
 
     def __init__(self, credentials: grpc.ChannelCredentials | None, local_shape, local_dtype, device,
-                 timeout_s: float = 2.0, transport: str = "mmap", local: ExportedCache | None = None) -> None:
+                 timeout_s: float = 2.0, transport: str = "mmap", local: ExportedCache | None = None,
+                 tp: tuple[int, int] = (1, 0)) -> None:
         self.credentials, self.local_shape, self.local_dtype, self.device = credentials, local_shape, local_dtype, device
+        self.tp_size, self.tp_rank = tp   # this rank copies from the peer's rank of the same number
         self.transport, self.local = transport, local
         self.timeout_s = timeout_s
         self._peers: dict[str, PeerCache] = {}
@@ -249,7 +278,8 @@ class Peers:
                 ch = (grpc.secure_channel(addr, self.credentials, options=GRPC_OPTIONS) if self.credentials is not None
                       else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
                 stub = self._stubs[addr] = (ch, pb.control_grpc.WorkerControlStub(ch))
-        desc = stub[1].ExportKv(pb.control.ExportKvRequest(), timeout=self.timeout_s)
+        desc = stub[1].ExportKv(pb.control.ExportKvRequest(tp_rank=self.tp_rank), timeout=self.timeout_s)
+        check_tp(desc, self.tp_size, self.tp_rank)
         key = desc.SerializeToString(deterministic=True)
         with self._lock:
             peer = self._peers.get(addr)

@@ -44,6 +44,10 @@ class TierConfig:
     direct: bool = False                   # copy handed-off blocks from peer workers (kv_export.py)
     peer_credentials: object | None = None # internal mTLS for their WorkerControl
     direct_transport: str = "mmap"         # kv_export.TRANSPORTS
+    # Tensor parallel: this rank's place; with tp_size > 1 a fetch or save is reported only once
+    # every rank's copy of it ended (tier_agreement.py; tp_ranks.TpLink runs the agreement).
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 class _Buffers:
@@ -99,7 +103,11 @@ class KvTiers:
         if cfg.direct:
             from services.worker.kv_export import Peers
             self.peers = Peers(cfg.peer_credentials, tuple(kv_caches[0].shape), kv_caches[0].dtype, self.device,
-                               transport=cfg.direct_transport, local=exported)
+                               transport=cfg.direct_transport, local=exported, tp=(cfg.tp_size, cfg.tp_rank))
+        self.agreement = None
+        if cfg.tp_size > 1:
+            from services.worker.tier_agreement import RankAgreement
+            self.agreement = RankAgreement(self._take_local)
         self._jobs: collections.deque = collections.deque()
         self._done: collections.deque = collections.deque()
         self._saved: collections.deque = collections.deque()   # SaveResults, in submission order
@@ -217,10 +225,20 @@ class KvTiers:
         """Fetches that ended; with `wait_s`, wait that long for one if some are under way."""
         if wait_s:
             self.wait_done(wait_s, loads_only=True)
+        if self.agreement is not None:
+            return self.agreement.take_loads()
+        return self._drain(self._done)
+
+    @staticmethod
+    def _drain(results: collections.deque) -> list:
         out = []
-        while self._done:
-            out.append(self._done.popleft())
+        while results:
+            out.append(results.popleft())
         return out
+
+    def _take_local(self) -> tuple[list[LoadResult], list[SaveResult]]:
+        """Tensor parallel: this rank's ended fetches and saves, for the agreement."""
+        return self._drain(self._done), self._drain(self._saved)
 
     @property
     def loads_in_flight(self) -> int:
@@ -228,8 +246,10 @@ class KvTiers:
 
     @property
     def busy(self) -> bool:
-        """Fetches or saves under way (each is reported when it ends)."""
-        return bool(self._busy or (self._saver is not None and self._saver.pending_bytes))
+        """Fetches or saves under way (each is reported when it ends), or, tensor parallel, ended
+        here and waiting for the other ranks."""
+        return bool(self._busy or (self._saver is not None and self._saver.pending_bytes)
+                    or (self.agreement is not None and self.agreement.pending))
 
     def wait_done(self, wait_s: float, loads_only: bool = False) -> None:
         """Wait up to `wait_s` for a fetch (or, unless loads_only, a save) to end (a plan sent only
@@ -246,6 +266,8 @@ class KvTiers:
 
     @property
     def has_done(self) -> bool:
+        if self.agreement is not None:
+            return self.agreement.has_agreed
         return bool(self._done or self._saved)
 
     def _fetch_loop(self) -> None:
@@ -393,10 +415,9 @@ class KvTiers:
             self._saved.append(SaveResult(t.request_id, len(t.block_ids), 0))
 
     def take_saves(self) -> list[SaveResult]:
-        out = []
-        while self._saved:
-            out.append(self._saved.popleft())
-        return out
+        if self.agreement is not None:
+            return self.agreement.take_saves()
+        return self._drain(self._saved)
 
     def flush_saves(self, timeout_s: float) -> bool:
         return self._saver is None or self._saver.flush(timeout_s)
@@ -410,6 +431,8 @@ class KvTiers:
                 self._busy -= 1
             self._cond.wait_for(lambda: not self._busy, timeout_s)
         self._done.clear()
+        if self.agreement is not None:
+            self.agreement.forget_loads()
 
     def close(self) -> None:
         self.drain()

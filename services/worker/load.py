@@ -13,6 +13,7 @@ from services.common.spec_config import parse_spec_config
 from services.worker.config import WorkerConfig
 from services.worker.control import WorkerControlServicer
 from services.worker.engine import LoadFailed, RunnerSource
+from services.worker.kv_export import serve_exports
 from services.worker.models import load_model
 from services.worker.models.config import ModelConfigError
 from services.worker.profiling import StepProfiler
@@ -46,7 +47,7 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
                          enforce_eager=cfg.enforce_eager, kv_cache_dtype=cfg.kv_torch_dtype,
                          seed_rng=tp.seed_rng if tp is not None else None,
                          tokenizer_path=os.path.join(cfg.model, "tokenizer.json"),
-                         export_kv=cfg.kv_export and cfg.tensor_parallel_size == 1,
+                         export_kv=cfg.kv_export,
                          export_nixl=cfg.kv_direct_transport in ("nixl", "auto"))
     if runner.exported is not None:
         runner.kv_export_addr = cfg.bound_grpc_addr
@@ -55,6 +56,8 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
     if tiers is not None:
         runner.enable_kv_tiers(tiers)
     spec = parse_spec_config(cfg.speculative_config)
+    if tp is not None:
+        tp.attach(runner)   # every rank: the tiers' agreement, the exported caches shared with rank 0
     if spec is not None:
         from services.worker.spec.decoder import SpecDecoder
         runner.spec = SpecDecoder(spec, cfg.served_model_name)
@@ -72,13 +75,12 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
 
 def tier_config(cfg: WorkerConfig, runner: ModelRunner):
     """The KV tiers this rank uses (docs/kv_tiers.md), or None: tier-1 host offload with
-    --kv-offload-gb, kvstore fetches and saves with --kvstore-addr (one rank only: a tensor-parallel
-    group's ranks would each fetch their own shard with no agreement on how much arrived)."""
+    --kv-offload-gb, kvstore fetches and saves with --kvstore-addr, direct hand-offs with --kv-export.
+    Tensor parallel: every rank keeps its own shard in each, the kvstore's under its own namespace
+    (it binds tp_size and tp_rank), and the ranks agree on what ended (tier_agreement.py)."""
     from services.worker.kv_tiers import LAYOUT, TierConfig
     client = make_ns = None
-    if cfg.kvstore_addr and cfg.tensor_parallel_size > 1:
-        log.warning("kvstore tier off: not supported with --tensor-parallel-size > 1 (host offload still works)")
-    elif cfg.kvstore_addr:
+    if cfg.kvstore_addr:
         from services.common.kv_namespace import engine_namespace, weights_fingerprint
         try:
             fingerprint = weights_fingerprint(cfg.model)
@@ -95,32 +97,37 @@ def tier_config(cfg: WorkerConfig, runner: ModelRunner):
                                         block_size=block_size, num_layers=runner.model.cfg.num_layers,
                                         tp_size=cfg.tensor_parallel_size, tp_rank=cfg.tp_rank,
                                         block_bytes=block_bytes, layout=LAYOUT, fingerprint=fingerprint)
-    direct = cfg.kv_export and cfg.tensor_parallel_size == 1
+    direct = cfg.kv_export
     if client is None and cfg.kv_offload_gb <= 0 and not direct:
         return None
     return TierConfig(offload_bytes=int(cfg.kv_offload_gb * 2**30), client=client, make_namespace=make_ns,
                       load_timeout_s=cfg.kv_load_timeout_ms / 1e3, save_buffer_bytes=int(cfg.kv_save_buffer_mb * 2**20),
                       direct=direct, peer_credentials=cfg.internal_tls.channel_credentials() if direct else None,
-                      direct_transport=cfg.kv_direct_transport)
+                      direct_transport=cfg.kv_direct_transport,
+                      tp_size=cfg.tensor_parallel_size, tp_rank=cfg.tp_rank)
 
 
 def model_source(cfg: WorkerConfig) -> RunnerSource:
     """serve()'s source for the real model. With --tensor-parallel-size N this starts ranks
     1..N-1 (serve calls it before any gRPC thread exists: they are forked from this process)."""
     tp = ranks = None
+    rank_cfg = cfg
     if cfg.tensor_parallel_size > 1:
         try:
-            cfg, ranks = start_ranks(cfg)
+            rank_cfg, ranks = start_ranks(cfg)
         except ModelConfigError as exc:
             raise LoadFailed(str(exc)) from None
-        tp = TpLink(cfg)
+        tp = TpLink(rank_cfg)
     profiler = StepProfiler(cfg.profile_dir, cfg.rank_device)
     control = WorkerControlServicer(profiler)
 
     def load():
-        runner = load_model_runner(cfg, tp)
+        # serve() binds the gRPC port (cfg.bound_grpc_addr: where peers ask for the KV export)
+        # after this source was made, on the config it was given.
+        rank_cfg.bound_grpc_addr = cfg.bound_grpc_addr
+        runner = load_model_runner(rank_cfg, tp)
         if runner.exported is not None:   # peers may map it from now on (WorkerControl.ExportKv)
-            control.kv_export = runner.exported.describe
+            control.kv_export = tp.export_of if tp is not None else serve_exports(lambda: runner.exported.describe())
         return runner
     return RunnerSource(load=load, control=control,
                         profiler=profiler, tp=tp, stop_ranks=None if ranks is None else ranks.stop)

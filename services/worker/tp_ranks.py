@@ -6,10 +6,19 @@ Every rank loads the model, keeps its shard (tp.py) and allocates the KV cache o
 so `--kv-cache-memory-gb` is per rank and every rank computes the same number of blocks.
 
 Each WorkerRequest that rank 0 receives is fanned out as its serialized protobuf bytes: a
-broadcast of the length (int64), then of the bytes (uint8), over a gloo group (the CPU side
-even when the model's all-reduces run on NCCL). Every rank then runs the same request; only
-rank 0 answers the scheduler. Length 0 is a heartbeat that keeps idle ranks inside the
-collectives' timeout; -1 tells them to stop. Nothing is pickled.
+broadcast of two lengths (int64: the request's, the agreement proposal's), then of the bytes
+(uint8), over a gloo group (the CPU side even when the model's all-reduces run on NCCL). Every
+rank then runs the same request; only rank 0 answers the scheduler. Lengths 0 are a heartbeat
+that keeps idle ranks inside the collectives' timeout; -1 tells them to stop. Nothing is pickled.
+
+KV tiers (docs/kv_tiers.md): each rank fetches and saves its own shard on its own threads, so the
+ranks agree on which of those jobs ended before any is reported (tier_agreement.py). Rank 0's
+proposal (the jobs that ended on it, a StepResult holding only kv_loads / kv_saves) rides on the
+request it fans out; right after the fan-out every rank answers with its own counts in one
+all-reduce (MIN). It runs only when rank 0 proposes something, at the same point of the same
+request on every rank, before that request runs. Direct hand-offs: every rank exports its own
+cache; the ranks gather their descriptors on rank 0 at load and after every hello (the cache may
+have been allocated again), and rank 0's WorkerControl.ExportKv serves them (kv_export.py).
 
 Unseeded requests draw their base seed from one rng that rank 0 seeds and broadcasts at start,
 so every rank samples the same tokens and keeps the same token lists.
@@ -38,11 +47,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from services.common import pb
 from services.common.ports import free_port
 from services.common.procs import die_with_parent
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, LoadFailed, Runner
 from services.worker.models.config import ModelConfigError, load_model_config
+from services.worker.plan import LoadResult, SaveResult
 from services.worker.tp import check_tp_size, init_tp
 
 log = logging.getLogger("meshllm.worker.tp")
@@ -53,6 +64,22 @@ COLLECTIVE_TIMEOUT_S = 1800.0  # rendezvous, loading and any one collective (the
 _STOP = -1
 
 
+def _encode_proposal(loads: list[LoadResult], saves: list[SaveResult]) -> bytes:
+    msg = pb.step.StepResult()
+    for r in loads:
+        msg.kv_loads.add(request_id=r.request_id, num_loaded=r.num_loaded, num_requested=r.num_requested,
+                         bytes=r.bytes, duration_ns=r.duration_ns)
+    for r in saves:
+        msg.kv_saves.add(request_id=r.request_id, num_blocks=r.num_blocks, num_saved=r.num_saved)
+    return msg.SerializeToString()
+
+
+def _decode_proposal(data: bytes) -> tuple[list[LoadResult], list[SaveResult]]:
+    msg = pb.step.StepResult.FromString(data)
+    return ([LoadResult(r.request_id, r.num_loaded, r.num_requested, r.bytes, r.duration_ns) for r in msg.kv_loads],
+            [SaveResult(r.request_id, r.num_blocks, r.num_saved) for r in msg.kv_saves])
+
+
 class TpLink:
     """This rank's place in the group and the channel every WorkerRequest travels on."""
 
@@ -61,7 +88,9 @@ class TpLink:
         self.group = None          # the model's all-reduces (NCCL on CUDA, gloo on CPU)
         self.cpu_group = None      # the plan fan-out (gloo)
         self.seed_rng: random.Random | None = None
-        self._len = torch.zeros(1, dtype=torch.int64)
+        self.runner = None         # this rank's ModelRunner once loaded (attach)
+        self.exports: list[pb.control.KvExport] = []   # every rank's exported cache (share_exports)
+        self._len = torch.zeros(2, dtype=torch.int64)  # [request bytes, proposal bytes]
         self._last_send = time.monotonic()
 
     def connect(self, device: torch.device) -> None:
@@ -75,21 +104,90 @@ class TpLink:
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
 
+    # ---- every rank: what the ranks must agree on besides the requests -------------------------
+    def attach(self, runner) -> None:
+        """This rank's runner, once loaded: its KV tiers' agreement rides on the fan-out, and its
+        exported cache is shared with rank 0 (a collective: every rank calls it at load)."""
+        self.runner = runner
+        self.share_exports()
+
+    def after_hello(self) -> None:
+        """Every rank, right after it handled a WorkerHello: the hello may have allocated the
+        KV cache again, so the ranks share their exports again."""
+        if self.runner is not None:
+            self.share_exports()
+
+    def share_exports(self) -> None:
+        """Gather every rank's KvExport (b"" without an exported cache) on every rank."""
+        exported = getattr(self.runner, "exported", None)
+        mine = b""
+        if exported is not None:
+            desc = exported.describe()
+            desc.tp_size, desc.tp_rank = self.size, self.rank
+            mine = desc.SerializeToString()
+        gathered = self._all_gather_bytes(mine)
+        self.exports = [pb.control.KvExport.FromString(b) for b in gathered] if all(gathered) else []
+
+    def export_of(self, rank: int) -> "pb.control.KvExport":
+        """Rank 0's WorkerControl.ExportKv: rank `rank`'s exported cache (LookupError: none)."""
+        exports = self.exports
+        if not 0 <= rank < len(exports):
+            raise LookupError(f"this worker has tensor-parallel size {self.size} and exports "
+                              f"{len(exports)} ranks; rank {rank} was asked for")
+        return exports[rank]
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(sizes, n, group=self.cpu_group)
+        width = max(1, max(int(t.item()) for t in sizes))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(bufs, buf, group=self.cpu_group)
+        return [b[:int(t.item())].numpy().tobytes() for b, t in zip(bufs, sizes)]
+
+    def _agreement(self):
+        tiers = getattr(self.runner, "tiers", None)
+        return None if tiers is None else tiers.agreement
+
+    def _settle(self, proposal: bytes) -> None:
+        """Every rank, right after the fan-out of a request that carried rank 0's proposal."""
+        loads, saves = _decode_proposal(proposal)
+        agreement = self._agreement()
+        # Every rank must join the all-reduce; one without an agreement (it cannot happen: the
+        # ranks share their flags) answers "not ended", so nothing is reported.
+        counts = (agreement.local_counts(loads, saves) if agreement is not None
+                  else [-1] * (len(loads) + len(saves)))
+        mins = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        if agreement is not None:
+            agreement.settle(loads, saves, mins.tolist())
+
     # ---- rank 0 ------------------------------------------------------------------------------
     def send(self, payload: bytes) -> None:
-        self._send_len(len(payload))
-        if payload:
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.cpu_group)
+        agreement = self._agreement()
+        proposal = b""
+        if agreement is not None:
+            loads, saves = agreement.propose()
+            if loads or saves:
+                proposal = _encode_proposal(loads, saves)
+        self._send_len(len(payload), len(proposal))
+        if payload or proposal:
+            data = payload + proposal
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.cpu_group)
+        if proposal:
+            self._settle(proposal)
 
     def heartbeat(self) -> None:
         if time.monotonic() - self._last_send >= HEARTBEAT_S:
-            self._send_len(0)
+            self._send_len(0, 0)
 
     def send_stop(self) -> None:
-        self._send_len(_STOP)
+        self._send_len(_STOP, 0)
 
-    def _send_len(self, n: int) -> None:
-        self._len[0] = n
+    def _send_len(self, n: int, m: int) -> None:
+        self._len[0], self._len[1] = n, m
         dist.broadcast(self._len, 0, group=self.cpu_group)
         self._last_send = time.monotonic()
 
@@ -97,14 +195,17 @@ class TpLink:
     def recv(self) -> bytes | None:
         """The next WorkerRequest's bytes; b"" for a heartbeat; None when rank 0 stops."""
         dist.broadcast(self._len, 0, group=self.cpu_group)
-        n = int(self._len.item())
+        n, m = int(self._len[0].item()), int(self._len[1].item())
         if n == _STOP:
             return None
-        if n == 0:
+        if n + m == 0:
             return b""
-        buf = torch.empty(n, dtype=torch.uint8)
+        buf = torch.empty(n + m, dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.cpu_group)
-        return buf.numpy().tobytes()
+        data = buf.numpy().tobytes()
+        if m:
+            self._settle(data[n:])
+        return data[:n]
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Tear the groups down; False if that did not finish in time. (Seen on 2 H200s: a worker
@@ -133,12 +234,21 @@ def preflight(cfg: WorkerConfig) -> None:
 
 
 def _rank_args(cfg: WorkerConfig, rank: int) -> list[str]:
+    """Every flag that shapes what a rank computes or holds: the same weights, KV cache and KV tiers
+    on every rank (a rank without rank 0's tiers would refuse the plans rank 0 runs)."""
+    tls = cfg.internal_tls
     return ["--model", cfg.model, "--zmq-addr", cfg.zmq_addr, "--device", cfg.device, "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_model_len), "--kv-cache-memory-gb", str(cfg.kv_cache_memory_gb),
-            "--kv-cache-dtype", cfg.kv_cache_dtype,
+            "--kv-cache-dtype", cfg.kv_cache_dtype, "--quantization", cfg.quantization,
             "--num-kv-blocks", str(cfg.num_kv_blocks), "--block-size", str(cfg.block_size),
             "--served-model-name", cfg.served_model_name, "--num-threads", str(cfg.num_threads),
             *(["--enforce-eager"] if cfg.enforce_eager else []),
+            "--kv-offload-gb", str(cfg.kv_offload_gb), "--kvstore-addr", cfg.kvstore_addr,
+            "--kv-load-timeout-ms", str(cfg.kv_load_timeout_ms), "--kv-save-buffer-mb", str(cfg.kv_save_buffer_mb),
+            *(["--kv-export"] if cfg.kv_export else []), "--kv-direct-transport", cfg.kv_direct_transport,
+            # The kvstore client and the peers' WorkerControl channels use internal mTLS too.
+            *(["--internal-tls-certfile", tls.certfile, "--internal-tls-keyfile", tls.keyfile,
+               "--internal-tls-ca-certs", tls.ca_certs] if tls.enabled else []),
             "--tensor-parallel-size", str(cfg.tensor_parallel_size),
             "--tp-rank", str(rank), "--tp-init-method", cfg.tp_init_method]
 

@@ -1,6 +1,7 @@
 """What the launcher asks the supervisor to run for prefill/decode disaggregation (docs/pd.md;
 the spec, no process started): roles on the engines, the direct hand-off's flags on both kinds of
-worker (or none with --kv-handoff kvstore), and combinations it refuses before anything starts."""
+worker (or none with --kv-handoff kvstore), tensor-parallel engines of one size, and combinations it
+refuses before anything starts."""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,16 @@ def test_the_kvstore_hand_off_exports_nothing(smollm2_dir, cleanup):  # noqa: F8
     assert all(_flag(a, "--kvstore-addr") == mesh.kvstore_address for a in _args_of(spec, "worker"))
 
 
+def test_tensor_parallel_engines_hand_off_with_one_size_on_both_roles(smollm2_dir, cleanup):  # noqa: F811
+    """One --tensor-parallel-size for every engine: prefill rank r pairs with decode rank r (a
+    mismatch between separately started workers is refused at hand-off, kv_export.check_tp)."""
+    mesh = _mesh(smollm2_dir, "--prefill-replicas", "1", "--decode-replicas", "1", "--tensor-parallel-size", "2")
+    cleanup(mesh)
+    workers = _args_of(mesh._replicas(), "worker")
+    assert len(workers) == 2
+    assert all(_flag(a, "--tensor-parallel-size") == "2" and "--kv-export" in a for a in workers)
+
+
 def test_colocated_engines_have_no_role(smollm2_dir, cleanup):  # noqa: F811
     mesh = _mesh(smollm2_dir, "--data-parallel-size", "2")
     cleanup(mesh)
@@ -41,7 +52,6 @@ def test_colocated_engines_have_no_role(smollm2_dir, cleanup):  # noqa: F811
 @pytest.mark.parametrize("flags,message", [
     (("--prefill-replicas", "1"), "go together"),
     (("--prefill-replicas", "1", "--decode-replicas", "1", "--data-parallel-size", "2"), "alternatives"),
-    (("--prefill-replicas", "1", "--decode-replicas", "1", "--tensor-parallel-size", "2"), "tensor-parallel"),
     (("--prefill-replicas", "1", "--decode-replicas", "1", "--kv-handoff", "kvstore", "--no-kv-tier"), "kvstore"),
     (("--prefill-replicas", "1", "--decode-replicas", "1", "--kv-lease-s", "0"), "kv-lease-s"),
 ])
