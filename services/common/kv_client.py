@@ -1,16 +1,23 @@
 """The kvstore client the engines use (docs/kvstore.md): Lookup, Put and Get of whole KV blocks
-over the fastest data plane it can reach (the kvstore's same-host shared-memory window, else
-gRPC bytes), and never an exception into the caller's hot path.
+over the fastest data plane it can reach, and never an exception into the caller's hot path.
 
     kv = KvClient("127.0.0.1:50070", credentials=tls.channel_credentials())
     n = kv.lookup(ns, chain)                    # longest stored prefix of a hash chain
     kv.put(ns, [(block_hash, buf), ...])        # buf: any C-contiguous bytes-like object
     found = kv.get_into(ns, hashes, [dst, ...]) # copies into writable buffers; [True/False]
+    # zero copy (None: no arena mapped here, use put / get_into):
+    found = kv.read_zero_copy(ns, hashes, consume)   # consume(start, views): copy them out
+    kept = kv.write_zero_copy(ns, hashes, fill)      # fill(start, idx, views): write into them
+    kv.set_arena_hooks(on_map, on_unmap)             # e.g. cudaHostRegister the mapping
+
+Planes, fastest first: the memory backend's block memory mapped here (same host: blocks are read
+and written in place, zero copy: Pin/Release, Reserve/Commit), a leased shared-memory window
+(same host, a backend that keeps nothing itself: Redis), gRPC bytes (any host).
 
 Every call has a deadline; a kvstore that is down, slow, restarted or full gives misses and
 dropped saves. A lost kvstore is logged once (and again when it is back), and calls made while
 it is lost return at once (a miss) until the next retry time: no per-call timeouts pile up.
-Thread-safe; one shared-memory window per client, used by one transfer at a time."""
+Thread-safe: zero-copy transfers of many threads run at once; a window carries one at a time."""
 from __future__ import annotations
 
 import logging
@@ -18,8 +25,8 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -48,6 +55,11 @@ AVAILABLE = Gauge(PREFIX + "kv_tier_available", "1 while the tier answers, 0 onc
 TIER = "kvstore"
 
 Block = tuple[bytes, object]   # (block hash, bytes-like of namespace.block_bytes bytes)
+Consume = Callable[[int, list], None]              # consume(start, views): views[i] is block start+i
+Fill = Callable[[int, list, list], object]         # fill(start, idx, views): views[k] is block idx[k]
+_RESERVED = kv_pb2.KV_PUT_STATUS_RESERVED
+_KEPT = (kv_pb2.KV_PUT_STATUS_STORED, kv_pb2.KV_PUT_STATUS_EXISTS)
+KEEP_LOST_ARENA_S = 30.0   # a store lost this long: its arena is unmapped (its memory given back)
 
 
 def _nbytes(buf) -> memoryview:
@@ -84,6 +96,42 @@ class _Window:
             pass
 
 
+class _Arena:
+    """The kvstore's block memory (its memfd) mapped here whole, read-write: zero-copy reads and
+    writes name offsets in it. Unmapped only once retired and no transfer uses it."""
+
+    def __init__(self, resp: "kv_pb2.OpenArenaResponse") -> None:
+        fd = os.open(resp.path, os.O_RDWR)
+        try:
+            if not len(resp.nonce) < resp.arena_bytes <= os.fstat(fd).st_size:
+                raise OSError("the arena is not the size the kvstore says")
+            self.mm = mmap.mmap(fd, resp.arena_bytes)
+        finally:
+            os.close(fd)
+        if self.mm[:len(resp.nonce)] != resp.nonce:   # another host's pid, or a reused one
+            self.mm.close()
+            raise OSError("the mapping is not the kvstore's arena")
+        self.nonce = resp.nonce
+        self.size = resp.arena_bytes
+        self.view = memoryview(self.mm)
+        self.users = 0          # transfers using it now (under the client's lock)
+        self.retired = False
+
+    def slot(self, meta_offset: int, size: int, floor: int) -> memoryview | None:
+        """The block at [offset, offset + size), or None when the store named bytes outside the
+        arena (never trusted blindly)."""
+        if meta_offset < floor or size <= 0 or meta_offset + size > self.size:
+            return None
+        return self.view[meta_offset:meta_offset + size]
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:   # a caller kept a view: the mapping goes with its last reference
+            pass
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
@@ -96,10 +144,12 @@ class KvClient:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None, *,
                  use_shm: bool = True, window_bytes: int = 64 << 20, timeout_s: float = 1.0,
                  lookup_timeout_s: float = 0.25, min_gbps: float = 0.2, retry_after_s: float = 0.5,
-                 max_retry_after_s: float = 5.0, copy_threads: int | None = None) -> None:
+                 max_retry_after_s: float = 5.0, copy_threads: int | None = None,
+                 chunk_bytes: int = 128 << 20) -> None:
         self.address = address
         self.use_shm = use_shm
         self.window_bytes = window_bytes
+        self.chunk_bytes = chunk_bytes      # bytes per zero-copy Pin / Reserve call
         self.timeout_s = timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self.min_gbps = min_gbps
@@ -115,16 +165,23 @@ class KvClient:
         self._put_raw = self._channel.unary_unary("/meshllm.v1.KvStore/Put", request_serializer=None,
                                                   response_deserializer=kv_pb2.PutResponse.FromString)
         self._lock = threading.Lock()
+        self._open_lock = threading.Lock()   # one OpenArena (and mapping) at a time
         self._lost_since: float | None = None
         self._retry_at = 0.0
         self._backoff = retry_after_s
         self._window: _Window | None = None
-        self._window_retry_at = 0.0
+        self._arena: _Arena | None = None
+        self._lease_id = 0                   # our zero-copy lease in self._arena (0: none)
+        self._lease_ttl_s = 0.0
+        self._lease_used = 0.0
+        self._open_retry_at = 0.0
+        self._hooks: tuple[Callable | None, Callable | None] = (None, None)
         self._refusals: set[str] = set()   # reasons already logged (bounded)
         # The blocks of one call are copied and checksummed on several threads (numpy's copy and
-        # zlib's crc32 release the GIL).
+        # crc32c release the GIL); a zero-copy write's commits run beside the next chunk's fill.
         self._copies = ThreadPoolExecutor(copy_threads or min(8, os.cpu_count() or 1),
                                           thread_name_prefix="kv-client-copy")
+        self._commits = ThreadPoolExecutor(2, thread_name_prefix="kv-client-commit")
         AVAILABLE.labels(TIER).set(1)
 
     # ---- availability ------------------------------------------------------------------
@@ -133,6 +190,7 @@ class KvClient:
         return self._lost_since is not None and time.monotonic() < self._retry_at
 
     def _lost(self, exc: grpc.RpcError) -> None:
+        retire = None
         with self._lock:
             first = self._lost_since is None
             now = time.monotonic()
@@ -142,6 +200,11 @@ class KvClient:
                 self._backoff = min(self._backoff * 2, self._max_retry_after_s)
             self._retry_at = now + self._backoff
             self._drop_window_locked()
+            self._lease_id = 0
+            if self._arena is not None and now - self._lost_since > KEEP_LOST_ARENA_S:
+                retire, self._arena = self._arena, None   # gone for good: give its memory back
+        if retire is not None:
+            self._retire(retire)
         if first:
             AVAILABLE.labels(TIER).set(0)
             log.warning("kvstore %s lost (%s): loads are misses and saves are dropped until it answers",
@@ -152,7 +215,7 @@ class KvClient:
             return
         with self._lock:
             since, self._lost_since = self._lost_since, None
-            self._window_retry_at = 0.0   # a restarted store has a new arena: map it at once
+            self._open_retry_at = 0.0   # a restarted store has a new arena: map it at once
         if since is not None:
             AVAILABLE.labels(TIER).set(1)
             log.info("kvstore %s answers again after %.1fs", self.address, time.monotonic() - since)
@@ -163,7 +226,7 @@ class KvClient:
 
     def _call(self, method, request, timeout: float):
         """The response, or None (the failure is accounted). A refused request is the caller's
-        bug: logged, never raised. A lease the store forgot drops our window."""
+        bug: logged, never raised. A lease the store forgot drops our window or lease."""
         try:
             resp = method(request, timeout=timeout)
         except grpc.RpcError as exc:
@@ -172,61 +235,141 @@ class KvClient:
                 self._ok()
                 with self._lock:
                     self._drop_window_locked()
+                    self._lease_id, self._open_retry_at = 0, 0.0   # a new lease at once; same mapping
             elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
                           grpc.StatusCode.RESOURCE_EXHAUSTED):
                 self._ok()   # the store answered: our request is wrong (a bug), logged once per reason
                 details = (exc.details() if hasattr(exc, "details") else str(exc)) or code.name
-                if details not in self._refusals and len(self._refusals) < 32:
-                    self._refusals.add(details)
-                    log.error("kvstore refused a call (%s): %s", code.name, details[:200])
+                self._log_once(f"kvstore refused a call ({code.name}): {details[:200]}", logging.ERROR)
             else:
                 self._lost(exc)
             return None
         self._ok()
         return resp
 
+    def _log_once(self, message: str, level: int = logging.WARNING) -> None:
+        if message not in self._refusals and len(self._refusals) < 32:
+            self._refusals.add(message)
+            log.log(level, "%s", message)
+
     def _deadline(self, nbytes: int) -> float:
         return self.timeout_s + nbytes / (self.min_gbps * 1e9)
 
-    # ---- the shared-memory window ------------------------------------------------------
+    # ---- shared memory: the zero-copy arena, or a window ----------------------------------
     def _drop_window_locked(self) -> None:
         # Detached, not closed: another thread may be copying through it; the mapping goes
         # with its last reference.
         if self._window is not None:
             self._window = None
-            self._window_retry_at = time.monotonic() + 1.0
+            self._open_retry_at = time.monotonic() + 1.0
 
-    def _get_window(self) -> _Window | None:
+    def _arena_lease(self) -> tuple[_Arena, int] | None:
+        """The mapped arena and a live lease on it, the arena held for one transfer (give it
+        back with _done); None: no arena here (another plane, or none reachable)."""
         if not self.use_shm:
             return None
-        with self._lock:
-            if self._window is not None or time.monotonic() < self._window_retry_at:
-                return self._window
-            self._window_retry_at = time.monotonic() + 5.0   # failures retry this often
-        resp = self._call(self._stub.OpenArena, kv_pb2.OpenArenaRequest(window_bytes=self.window_bytes),
-                          self.lookup_timeout_s)
-        if resp is None or not resp.path:
-            return None   # unreachable, no arena there, or none free: gRPC bytes
-        try:
-            if resp.boot_id != _boot_id():
-                raise OSError("the kvstore runs on another host")
-            window = _Window(resp)
-        except OSError as exc:
-            # Another host or container (its /proc is not ours): it will not change, so give the
-            # lease back and ask again only once a minute.
-            self._close_lease(resp.lease_id)
+        for _ in range(2):
+            now = time.monotonic()
             with self._lock:
-                self._window_retry_at = time.monotonic() + 60.0
-            log.info("kvstore %s shared memory not usable here (%s): gRPC bytes", self.address, exc)
-            return None
+                a = self._arena
+                # A lease idle for half its life is replaced rather than risked; the old one ends on its own.
+                if a is not None and self._lease_id and now - self._lease_used < self._lease_ttl_s / 2:
+                    self._lease_used = now
+                    a.users += 1
+                    return a, self._lease_id
+                if self._window is not None or now < self._open_retry_at:
+                    return None
+            self._open()
+        return None
+
+    def _done(self, arena: _Arena) -> None:
         with self._lock:
-            if self._window is None:
-                self._window = window
-                log.info("kvstore %s: shared-memory window of %d MiB", self.address, window.size >> 20)
-                return window
-        self._close_lease(resp.lease_id)   # another thread mapped one meanwhile
-        window.close()
-        return self._window
+            arena.users -= 1
+            last = arena.retired and not arena.users
+        if last:
+            self._unmap(arena)
+
+    def _retire(self, arena: _Arena) -> None:
+        with self._lock:
+            arena.retired = True
+            last = not arena.users
+        if last:
+            self._unmap(arena)
+
+    def _unmap(self, arena: _Arena) -> None:
+        on_unmap = self._hooks[1]
+        if on_unmap is not None:
+            try:
+                on_unmap(arena.mm)
+            except Exception as exc:  # noqa: BLE001 - the caller's hook must not break the client
+                log.warning("kvstore arena on_unmap hook failed: %s", exc)
+        arena.close()
+
+    def set_arena_hooks(self, on_map: Callable[[mmap.mmap], None] | None,
+                        on_unmap: Callable[[mmap.mmap], None] | None) -> None:
+        """on_map(mm) runs once for each arena this client maps, before any view of it is handed
+        out (at once here for one mapped already); on_unmap(mm) before it is unmapped (the store
+        lost for good or replaced by a restarted one, or close()). On whichever thread maps."""
+        with self._lock:
+            self._hooks = (on_map, on_unmap)
+            mapped = self._arena
+        if mapped is not None and on_map is not None:
+            self._run_on_map(on_map, mapped)
+
+    def _run_on_map(self, on_map, arena: _Arena) -> None:
+        try:
+            on_map(arena.mm)
+        except Exception as exc:  # noqa: BLE001 - the views still work, only slower for the caller
+            log.warning("kvstore arena on_map hook failed: %s", exc)
+
+    def _open(self) -> None:
+        """OpenArena: map the store's block memory (zero copy) or a window; on failure the next
+        try waits (5 s, a minute when shared memory cannot work here)."""
+        with self._open_lock:
+            with self._lock:
+                if (self._arena is not None and self._lease_id) or self._window is not None \
+                        or time.monotonic() < self._open_retry_at:
+                    return   # another thread opened (or failed) meanwhile
+                self._open_retry_at = time.monotonic() + 5.0
+            resp = self._call(self._stub.OpenArena, kv_pb2.OpenArenaRequest(
+                window_bytes=self.window_bytes, zero_copy=True), self.lookup_timeout_s)
+            if resp is None or not resp.path:
+                return   # unreachable, no shared memory there, or none free: gRPC bytes
+            with self._lock:
+                current = self._arena
+            try:
+                if resp.boot_id != _boot_id():
+                    raise OSError("the kvstore runs on another host")
+                if resp.zero_copy and current is not None and current.nonce == resp.nonce:
+                    mapped = current                      # a new lease, the same arena
+                else:
+                    mapped = _Arena(resp) if resp.zero_copy else _Window(resp)
+            except OSError as exc:
+                # Another host or container (its /proc is not ours): it will not change, so give the
+                # lease back and ask again only once a minute.
+                self._close_lease(resp.lease_id)
+                with self._lock:
+                    self._open_retry_at = time.monotonic() + 60.0
+                log.info("kvstore %s shared memory not usable here (%s): gRPC bytes", self.address, exc)
+                return
+            if isinstance(mapped, _Window):
+                with self._lock:
+                    self._window, self._open_retry_at = mapped, 0.0
+                    self._arena = None
+                log.info("kvstore %s: shared-memory window of %d MiB", self.address, mapped.size >> 20)
+                if current is not None:
+                    self._retire(current)              # a store of another kind took its place
+                return
+            if mapped is not current:
+                if self._hooks[0] is not None:
+                    self._run_on_map(self._hooks[0], mapped)   # before any view of it is handed out
+                log.info("kvstore %s: zero copy, its %d MiB of block memory mapped", self.address,
+                         mapped.size >> 20)
+            with self._lock:
+                self._arena, self._lease_id = mapped, resp.lease_id
+                self._lease_ttl_s, self._lease_used, self._open_retry_at = resp.lease_ttl_s, time.monotonic(), 0.0
+            if current is not None and mapped is not current:
+                self._retire(current)                  # the store restarted: its old arena goes
 
     def _close_lease(self, lease_id: int) -> None:
         try:
@@ -235,9 +378,24 @@ class KvClient:
         except grpc.RpcError:
             pass   # the lease expires on its own
 
+    def _get_window(self) -> _Window | None:
+        if not self.use_shm:
+            return None
+        with self._lock:
+            if self._window is not None or (self._arena is not None and self._lease_id):
+                return self._window
+            if time.monotonic() < self._open_retry_at:
+                return None
+        self._open()
+        return self._window
+
     @property
     def transport(self) -> str:
-        """What the next transfer would use: "shm" or "grpc"."""
+        """What the next transfer would use: "arena" (zero copy), "shm" (a window) or "grpc"."""
+        got = self._arena_lease()
+        if got is not None:
+            self._done(got[0])
+            return "arena"
         return "shm" if self._get_window() is not None else "grpc"
 
     # ---- the API ----------------------------------------------------------------------
@@ -259,18 +417,141 @@ class KvClient:
             return 0
         start = time.perf_counter()
         views = [(h, _nbytes(buf)) for h, buf in blocks]
+        if all(len(v) == ns.block_bytes for _, v in views):
+            def fill(_: int, idx: list[int], slots: list) -> list[int]:
+                return self._map(lambda k: copy_and_checksum(slots[k], views[idx[k]][1]), len(idx))
+            kept = self._write_arena(ns, [h for h, _ in views], fill)
+            if kept is not None:
+                return self._saved(ns, len(blocks), kept, start)
         window = self._get_window()
         per_call = (window.size if window is not None else kv_blocks.GRPC_PAYLOAD_BYTES) // max(1, ns.block_bytes)
+        step = max(1, min(per_call, kv_blocks.MAX_BLOCKS_PER_CALL))
         kept = 0
-        for i in range(0, len(views), max(1, min(per_call, kv_blocks.MAX_BLOCKS_PER_CALL))):
-            chunk = views[i:i + max(1, min(per_call, kv_blocks.MAX_BLOCKS_PER_CALL))]
-            kept += self._put_chunk(ns, chunk, window)
+        for i in range(0, len(views), step):
+            kept += self._put_chunk(ns, views[i:i + step], window)
             if self._skip():
                 break
-        DROPPED.labels(TIER).inc(len(blocks) - kept)
+        return self._saved(ns, len(blocks), kept, start)
+
+    def write_zero_copy(self, ns: "kv_pb2.KvNamespace", block_hashes: Sequence[bytes], fill: Fill) -> int | None:
+        """Save blocks by writing them straight into the store's memory: None when no arena is
+        mapped here (use put). Otherwise slots are reserved for the blocks the store does not
+        hold, `fill(start, idx, views)` writes block `idx[k]` (an index into block_hashes) into
+        the writable memoryview `views[k]` (e.g. a GPU->host DMA) and returns once the bytes are
+        there; the client checksums the slots and commits them. Chunked (each chunk's commit
+        overlaps the next chunk's fill). Returns the blocks the store now holds (stored or
+        already there); a fill that raises drops its chunk and the rest. Never raises."""
+        if not block_hashes:
+            return 0
+        if self._skip():
+            DROPPED.labels(TIER).inc(len(block_hashes))
+            return 0
+        start = time.perf_counter()
+
+        def fill_then_checksum(first: int, idx: list[int], slots: list) -> None:
+            fill(first, idx, slots)
+            return None   # the commit step checksums the slots on the pool
+
+        kept = self._write_arena(ns, list(block_hashes), fill_then_checksum)
+        return None if kept is None else self._saved(ns, len(block_hashes), kept, start)
+
+    def _saved(self, ns, offered: int, kept: int, start: float) -> int:
+        DROPPED.labels(TIER).inc(offered - kept)
         SAVED.labels(TIER).inc(kept)
         self._timed("save", kept * ns.block_bytes, start)
         return kept
+
+    def _step(self, ns) -> int:
+        return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, self.chunk_bytes // max(1, ns.block_bytes)))
+
+    def _write_arena(self, ns, hashes: list[bytes], fill) -> int | None:
+        """Reserve, fill, checksum and commit, chunk by chunk, the commit of chunk k on a
+        helper thread while chunk k+1 is reserved and filled. None: no arena mapped here."""
+        got = self._arena_lease()
+        if got is None:
+            return None
+        arena, lease = got
+        kept, pending, retried = 0, None, False
+        try:
+            step = self._step(ns)
+            i = 0
+            while i < len(hashes):
+                chunk = hashes[i:i + step]
+                resp = self._call(self._stub.Reserve, kv_pb2.ReserveRequest(
+                    namespace=ns, block_hashes=chunk, lease=kv_pb2.ShmWindow(lease_id=lease)),
+                    self._deadline(0))
+                if resp is None:
+                    if retried or not self._lease_lost(lease):
+                        break
+                    retried = True            # the lease had ended (idle): one more try, a new lease
+                    self._done(arena)
+                    got = self._arena_lease()
+                    if got is None:
+                        arena = None
+                        break
+                    arena, lease = got
+                    continue
+                reserved_at = time.monotonic()
+                floor = len(arena.nonce)
+                idx, slots = [], []
+                for j, slot in enumerate(resp.slots[:len(chunk)]):
+                    view = arena.slot(slot.offset, ns.block_bytes, floor) if slot.status == _RESERVED else None
+                    if view is not None:
+                        idx.append(i + j)
+                        slots.append(view)
+                    elif slot.status == kv_pb2.KV_PUT_STATUS_EXISTS:
+                        kept += 1
+                crcs, failed = None, False
+                if slots and len(resp.slots) == len(chunk) and len(slots) == sum(
+                        s.status == _RESERVED for s in resp.slots):
+                    try:
+                        crcs = fill(i, idx, slots)
+                    except Exception as exc:  # noqa: BLE001 - a failed fill is a dropped save
+                        self._log_once(f"kvstore save: filling the reserved slots failed ({type(exc).__name__}: "
+                                       f"{str(exc)[:120]})")
+                        failed = True
+                elif resp.reserve_id:
+                    failed = True             # a store answer we cannot use: give the slots back
+                if pending is not None:
+                    kept += pending.result()
+                    pending = None
+                if resp.reserve_id:
+                    pending = self._commits.submit(self._commit, lease, resp.reserve_id, slots, crcs, failed,
+                                                   reserved_at)
+                if failed:
+                    break
+                i += len(chunk)
+        finally:
+            if pending is not None:
+                kept += pending.result()
+            if arena is not None:
+                self._done(arena)
+        return kept
+
+    def _lease_lost(self, lease: int) -> bool:
+        """After a failed call: True when it failed because the store forgot our lease (an idle
+        one ends), so the call is worth one more try under a new lease."""
+        with self._lock:
+            return self.available and self._lease_id != lease
+
+    def _commit(self, lease: int, reserve_id: int, slots: list, crcs, abort: bool, reserved_at: float) -> int:
+        """The store checks the slots against our checksums and keeps the good ones; how many."""
+        try:
+            if not abort and crcs is None:
+                crcs = self._map(lambda k: checksum(slots[k]), len(slots))
+            # Slots held past half the lease's life may have been taken back: never claim them.
+            abort = abort or time.monotonic() - reserved_at > self._lease_ttl_s / 2
+            resp = self._call(self._stub.Commit, kv_pb2.CommitRequest(
+                lease=kv_pb2.ShmWindow(lease_id=lease), reserve_id=reserve_id,
+                checksums=[] if abort else list(crcs), abort=abort),
+                self._deadline(len(slots) * (len(slots[0]) if slots else 0)))
+            return 0 if resp is None else sum(s in _KEPT for s in resp.statuses)
+        except Exception as exc:  # noqa: BLE001 - never into the caller
+            self._log_once(f"kvstore commit failed ({type(exc).__name__})")
+            return 0
+        finally:
+            for v in slots:
+                _release(v)
 
     def _put_chunk(self, ns, chunk, window: _Window | None) -> int:
         nbytes = sum(len(v) for _, v in chunk)
@@ -307,25 +588,141 @@ class KvClient:
         pinned host tensor viewed as uint8); True where it was loaded and verified."""
         if len(dests) != len(block_hashes):
             raise ValueError("get_into needs one destination per block hash")
-        found = [False] * len(block_hashes)
         if not block_hashes:
-            return found
+            return []
         if self._skip():
             MISSES.labels(TIER).inc(len(block_hashes))
-            return found
+            return [False] * len(block_hashes)
         start = time.perf_counter()
-        window = self._get_window()
-        room = window.size if window is not None else kv_blocks.GRPC_PAYLOAD_BYTES
-        step = max(1, min(room // max(1, ns.block_bytes), kv_blocks.MAX_BLOCKS_PER_CALL))
-        for i in range(0, len(block_hashes), step):
-            self._get_chunk(ns, block_hashes[i:i + step], dests[i:i + step], found, i, window)
-            if self._skip():
-                break
+        outs = [_nbytes(d) for d in dests]
+
+        def copy_out(first: int, views: list, metas: list) -> list[bool | None]:
+            # The copy is verified where it landed: the end-to-end check on the caller's bytes.
+            def one(j: int) -> bool | None:
+                out = outs[first + j]
+                if views[j] is None or len(out) != len(views[j]):
+                    return None
+                return copy_and_checksum(out, views[j]) == metas[j].checksum
+            return self._map(one, len(views))
+
+        found = self._read_arena(ns, list(block_hashes), copy_out)
+        if found is None:
+            found = [False] * len(block_hashes)
+            window = self._get_window()
+            room = window.size if window is not None else kv_blocks.GRPC_PAYLOAD_BYTES
+            step = max(1, min(room // max(1, ns.block_bytes), kv_blocks.MAX_BLOCKS_PER_CALL))
+            for i in range(0, len(block_hashes), step):
+                self._get_chunk(ns, block_hashes[i:i + step], dests[i:i + step], found, i, window)
+                if self._skip():
+                    break
+        return self._loaded(ns, found, start)
+
+    def read_zero_copy(self, ns: "kv_pb2.KvNamespace", block_hashes: Sequence[bytes],
+                       consume: Consume) -> list[bool] | None:
+        """Load blocks straight out of the store's memory: None when no arena is mapped here
+        (use get_into). Otherwise the found blocks are pinned and `consume(start, views)` is
+        called on this thread, chunk by chunk: views[i] is a read-only memoryview of block
+        start+i inside the mapped arena, or None for a miss; consume copies them out (e.g. GPU
+        DMAs) and returns once the copies are complete, keeping no view. Meanwhile the client
+        verifies every view's CRC-32C on its pool; then the blocks are unpinned (the corrupt
+        ones reported to the store). True where the block was found and verified; a consume
+        that raises makes its chunk misses and ends the load. Never raises."""
+        if not block_hashes:
+            return []
+        if self._skip():
+            MISSES.labels(TIER).inc(len(block_hashes))
+            return [False] * len(block_hashes)
+        start = time.perf_counter()
+
+        def verify_beside(first: int, views: list, metas: list) -> list[bool | None]:
+            crcs = [self._copies.submit(checksum, v) if v is not None else None for v in views]
+            try:
+                consume(first, views)
+            except Exception as exc:  # noqa: BLE001 - the caller's copy failed: misses, reported once
+                self._log_once(f"kvstore load: consume failed ({type(exc).__name__}: {str(exc)[:120]})")
+                for f in crcs:
+                    if f is not None:
+                        f.result()
+                raise _ConsumeFailed() from None
+            return [None if f is None else f.result() == m.checksum for f, m in zip(crcs, metas)]
+
+        found = self._read_arena(ns, list(block_hashes), verify_beside)
+        return None if found is None else self._loaded(ns, found, start)
+
+    def _loaded(self, ns, found: list[bool], start: float) -> list[bool]:
         hits = sum(found)
         HITS.labels(TIER).inc(hits)
         MISSES.labels(TIER).inc(len(found) - hits)
         self._timed("load", hits * ns.block_bytes, start)
         return found
+
+    def _read_arena(self, ns, hashes: list[bytes], handle) -> list[bool] | None:
+        """Pin, hand the views to `handle(start, views, metas) -> [verified or None]`, release,
+        chunk by chunk. None: no arena mapped here."""
+        got = self._arena_lease()
+        if got is None:
+            return None
+        arena, lease = got
+        found = [False] * len(hashes)
+        retried = False
+        try:
+            step = self._step(ns)
+            i = 0
+            while i < len(hashes):
+                chunk = hashes[i:i + step]
+                ok = self._read_chunk(ns, chunk, i, arena, lease, handle)
+                if ok is None:
+                    if retried or not self._lease_lost(lease):
+                        break
+                    retried = True            # the lease had ended (idle): one more try, a new lease
+                    self._done(arena)
+                    got = self._arena_lease()
+                    if got is None:
+                        arena = None
+                        break
+                    arena, lease = got
+                    continue
+                found[i:i + len(ok)] = ok
+                if len(ok) < len(chunk) or self._skip():
+                    break
+                i += len(chunk)
+        finally:
+            if arena is not None:
+                self._done(arena)
+        return found
+
+    def _read_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int, handle) -> list[bool] | None:
+        nbytes = len(chunk) * ns.block_bytes
+        resp = self._call(self._stub.Pin, kv_pb2.PinRequest(namespace=ns, block_hashes=chunk,
+                                                            lease=kv_pb2.ShmWindow(lease_id=lease)),
+                          self._deadline(nbytes))
+        if resp is None:
+            return None
+        pinned_at = time.monotonic()
+        metas = list(resp.blocks)
+        if len(metas) != len(chunk):
+            metas = []   # an answer we cannot use: misses (and the pins given back)
+        views = [arena.slot(m.offset, ns.block_bytes, len(arena.nonce))
+                 if m.block_hash == h and m.size == ns.block_bytes else None for m, h in zip(metas, chunk)]
+        read_only = [v.toreadonly() if v is not None else None for v in views]
+        failed = False
+        try:
+            verified = handle(first, read_only, metas) if any(v is not None for v in views) else [None] * len(views)
+        except _ConsumeFailed:
+            verified, failed = [None] * len(views), True
+        finally:
+            for v in read_only + views:
+                _release(v)
+        # Pins held past half the lease's life may have been taken back: never trust those bytes.
+        late = time.monotonic() - pinned_at > self._lease_ttl_s / 2
+        if resp.read_id:
+            corrupt = [j for j, ok in enumerate(verified) if ok is False] if not late else []
+            self._call(self._stub.Release, kv_pb2.ReleaseRequest(lease=kv_pb2.ShmWindow(lease_id=lease),
+                                                                 read_id=resp.read_id, corrupt=corrupt),
+                       self._deadline(len(corrupt) * ns.block_bytes))
+        if failed:
+            return []   # shorter than the chunk: the load ends here
+        return [bool(v) and not late for v in verified] + [False] * (len(chunk) - len(verified))
 
     def _get_chunk(self, ns, hashes, dests, found: list[bool], base: int, window: _Window | None) -> None:
         nbytes = len(hashes) * ns.block_bytes
@@ -336,9 +733,9 @@ class KvClient:
                                                                         window=window.lease), self._deadline(nbytes))
                     if resp is not None:
                         def fill(j: int) -> bool:
-                            m = resp.blocks[j].meta
-                            return bool(m.block_hash) and m.offset + m.size <= window.size and _fill(
-                                dests[j], window.view[m.offset:m.offset + m.size], m, ns)
+                            m = resp.blocks[j]
+                            return bool(m.meta.block_hash) and m.meta.offset + m.meta.size <= window.size and _fill(
+                                dests[j], window.view[m.meta.offset:m.meta.offset + m.meta.size], m.meta, ns)
                         for j, ok in enumerate(self._map(fill, len(resp.blocks))):
                             found[base + j] = ok
                         return
@@ -354,6 +751,8 @@ class KvClient:
                 found[base + j] = ok
 
     def _map(self, fn, n: int) -> list:
+        if n == 0:
+            return []
         return [fn(0)] if n == 1 else list(self._copies.map(fn, range(n)))
 
     def _timed(self, direction: str, nbytes: int, start: float) -> None:
@@ -375,17 +774,36 @@ class KvClient:
     def close(self) -> None:
         with self._lock:
             window, self._window = self._window, None
+            arena, self._arena = self._arena, None
+            lease, self._lease_id = self._lease_id, 0
         if window is not None:
             self._close_lease(window.lease.lease_id)
             window.close()
+        if lease:
+            self._close_lease(lease)
+        if arena is not None:
+            self._retire(arena)
         self._channel.close()
         self._copies.shutdown(wait=False)
+        self._commits.shutdown(wait=False)
+
+
+class _ConsumeFailed(Exception):
+    """The caller's consume raised (already logged): its chunk is a miss and the load ends."""
+
+
+def _release(view: memoryview | None) -> None:
+    if view is not None:
+        try:
+            view.release()
+        except BufferError:   # the caller kept something made from it; it goes when they drop it
+            pass
 
 
 def _kept(resp: "kv_pb2.PutResponse | None") -> int:
     if resp is None:
         return 0
-    return sum(1 for s in resp.statuses if s in (kv_pb2.KV_PUT_STATUS_STORED, kv_pb2.KV_PUT_STATUS_EXISTS))
+    return sum(1 for s in resp.statuses if s in _KEPT)
 
 
 def _fill(dest, src, meta: "kv_pb2.KvBlockMeta", ns: "kv_pb2.KvNamespace") -> bool:

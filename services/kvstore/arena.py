@@ -1,11 +1,15 @@
-"""The same-host data plane: one memfd owned by the kvstore, split into fixed windows that are
-leased one per client. A client maps the memfd through /proc/<pid>/fd/<fd> (same host, same
-user: the fd's permissions), proves the mapping is ours by the random nonce at offset 0, writes
-its blocks into its window and names offsets in a Put; a Get writes blocks into the window.
+"""Same-host shared memory: memfds owned by the kvstore that clients map through
+/proc/<pid>/fd/<fd> (same host, same user: the fd's permissions), proving the mapping is ours by
+the random nonce at offset 0. A memfd (unlike /dev/shm files) cannot outlive the kvstore: kill -9
+leaks nothing; its pages are allocated only when touched.
+
+Two uses: the memory backend keeps its blocks in one (`SharedFile`, memory.py), and clients read
+and write block slots in it in place (zero copy, transfers.py); for a backend that holds nothing
+itself (Redis) `Arena` splits one into fixed windows leased one per client, which a client
+writes its blocks into before a Put and the store writes found blocks into on a Get.
 
 A window is never given to anyone else while its lease is alive; every call naming it renews
-the lease; a window unused for `lease_ttl_s` is taken back only when another client needs one.
-A memfd (unlike /dev/shm files) cannot outlive the kvstore: kill -9 leaks nothing."""
+the lease; a window unused for `lease_ttl_s` is taken back only when another client needs one."""
 from __future__ import annotations
 
 import mmap
@@ -25,6 +29,30 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+class SharedFile:
+    """A memfd of `size` bytes mapped here; its first NONCE_BYTES are random, the rest of its
+    first HEADER_BYTES unused (what follows is page-aligned)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = size
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)   # pages are allocated only when touched
+        self.mm = mmap.mmap(self.fd, size)
+        self.view = memoryview(self.mm)
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.mm[:NONCE_BYTES] = self.nonce
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        self.boot_id = boot_id()
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.mm.close()
+        except BufferError:   # a view still referenced (a call in flight): the process exit unmaps it
+            pass
+        os.close(self.fd)
 
 
 @dataclass
@@ -48,14 +76,8 @@ class Arena:
         self.lease_ttl_s = lease_ttl_s
         self.size = HEADER_BYTES + window_bytes * num_windows
         self._clock = clock
-        self.fd = os.memfd_create("meshllm-kvstore-arena", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.size)   # pages are allocated only when touched
-        self.mm = mmap.mmap(self.fd, self.size)
-        self.view = memoryview(self.mm)
-        self.nonce = secrets.token_bytes(NONCE_BYTES)
-        self.mm[:NONCE_BYTES] = self.nonce
-        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
-        self.boot_id = boot_id()
+        self.file = SharedFile(self.size, "meshllm-kvstore-windows")
+        self.view, self.nonce, self.path, self.boot_id = self.file.view, self.file.nonce, self.file.path, self.file.boot_id
         self._leases: dict[int, Lease] = {}
         self._free = list(range(num_windows - 1, -1, -1))
         self._lock = threading.Lock()
@@ -101,9 +123,4 @@ class Arena:
             return len(self._leases)
 
     def close(self) -> None:
-        try:
-            self.view.release()
-            self.mm.close()
-        except BufferError:   # a window view still referenced: the process exit unmaps it
-            pass
-        os.close(self.fd)
+        self.file.close()

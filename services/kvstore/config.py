@@ -18,9 +18,10 @@ class KvStoreConfig:
     disk_dir: str = ""                  # spill evicted blocks here ("" = no disk tier)
     disk_gb: float = 0.0                # hard bound of the disk tier (required with disk_dir)
     backend: str = "memory"             # "memory" or redis://HOST:PORT[/DB]
-    shm_window_mb: int = 64             # one client's window of the shared-memory arena
-    shm_windows: int = 16               # windows in the arena (0 = no arena: gRPC bytes only)
-    lease_ttl_s: float = 30.0           # an unused window is taken back after this long
+    zero_copy: bool = True              # same-host clients map the memory backend's blocks (in place)
+    shm_window_mb: int = 64             # one client's window (the Redis backend's same-host plane)
+    shm_windows: int = 16               # windows (0 = none)
+    lease_ttl_s: float = 30.0           # a lease unused this long ends: its pins and slots are freed
     worker_threads: int = 4             # calls' work (disk, Redis) off the event loop
     copy_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))  # one call's blocks in parallel
     internal_tls: InternalTls = field(default_factory=InternalTls)

@@ -25,11 +25,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-gb", type=float, default=0.0, help="the disk tier's hard bound")
     p.add_argument("--backend", default=d["backend"].default,
                    help="'memory' (default) or redis://HOST:PORT[/DB]: blocks live in that Redis server")
+    p.add_argument("--zero-copy", action=argparse.BooleanOptionalAction, default=d["zero_copy"].default,
+                   help="same-host clients map the memory backend's blocks and read / write them in place")
     p.add_argument("--shm-window-mb", type=int, default=d["shm_window_mb"].default,
-                   help="one client's window of the same-host shared-memory arena")
+                   help="one client's window of shared memory (the same-host plane of the Redis backend)")
     p.add_argument("--shm-windows", type=int, default=d["shm_windows"].default,
-                   help="windows in the arena (0: no arena, gRPC bytes only)")
-    p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"].default)
+                   help="shared-memory windows (0: none)")
+    p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"].default,
+                   help="a client's lease unused this long ends, and its pins and reserved slots with it")
     p.add_argument("--worker-threads", type=int, default=d["worker_threads"].default)
     p.add_argument("--copy-threads", type=int, default=KvStoreConfig().copy_threads,
                    help="threads that copy and checksum the blocks of one call (default: min(8, CPUs))")
@@ -44,7 +47,8 @@ def parse_config(argv: list[str] | None) -> KvStoreConfig:
     a = p.parse_args(argv)
     try:
         return KvStoreConfig(host=a.host, port=a.port, capacity_gb=a.capacity_gb, disk_dir=a.disk_dir,
-                             disk_gb=a.disk_gb, backend=a.backend, shm_window_mb=a.shm_window_mb,
+                             disk_gb=a.disk_gb, backend=a.backend, zero_copy=a.zero_copy,
+                             shm_window_mb=a.shm_window_mb,
                              shm_windows=a.shm_windows, lease_ttl_s=a.lease_ttl_s,
                              worker_threads=a.worker_threads, copy_threads=a.copy_threads, internal_tls=internal_tls.from_args(a),
                              metrics_port=a.metrics_port, log_level=a.log_level)

@@ -1,12 +1,32 @@
-"""The host-memory tier: an LRU of blocks bounded by a hard byte capacity, with an optional
-spill tier (disk.py) that receives what is evicted and is read through on a miss."""
+"""The host-memory tier: blocks kept inside one memfd of exactly the capacity (arena.SharedFile:
+a header page, then the blocks), placed by an extent allocator (extents.py) and evicted LRU, with
+an optional spill tier (disk.py) that receives what is evicted and is read through on a miss.
+
+Same-host clients map the memfd and read or write block slots in place (zero copy): a read
+*pins* a block (an evicted or flushed block's extent is never reused while it is pinned), a
+write *reserves* a slot and *commits* it once its bytes are checked (store.py). The capacity is
+a hard bound by construction: stored, reserved and pinned extents all live inside the memfd."""
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
-from services.common.kv_blocks import checksum
+from services.common.kv_blocks import checksum, copy_into
+from services.kvstore.arena import HEADER_BYTES, SharedFile
 from services.kvstore.backend import BackendStats, BlockKey, PutOutcome
+from services.kvstore.extents import ExtentAllocator, aligned
+
+
+@dataclass(eq=False)
+class Extent:
+    """A block's bytes in the arena: [offset, offset + size) of the memfd (offset counts the
+    header page, so it is what a client that maps the whole memfd uses)."""
+    offset: int
+    size: int
+    crc: int = 0
+    pins: int = 0
+    stored: bool = False   # in the LRU (visible to reads); False: reserved, or removed while pinned
 
 
 class MemoryBackend:
@@ -15,76 +35,175 @@ class MemoryBackend:
     def __init__(self, capacity_bytes: int, spill=None) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
+        self._alloc = ExtentAllocator(capacity_bytes)
+        if self._alloc.capacity == 0:
+            raise ValueError("capacity must hold at least one aligned extent")
         self.capacity_bytes = capacity_bytes
+        self.arena = SharedFile(HEADER_BYTES + self._alloc.capacity, "meshllm-kvstore-blocks")
         self.spill = spill                   # a DiskTier, or None
         self.name = "memory+disk" if spill is not None else "memory"
-        self._blocks: OrderedDict[BlockKey, tuple[bytes, int]] = OrderedDict()
-        self._bytes = 0
+        self._blocks: OrderedDict[BlockKey, Extent] = OrderedDict()
+        self._bytes = 0            # of stored blocks
+        self._reserved = 0         # bytes of reserved slots
+        self._pins = 0             # pins held (a block pinned by two readers counts twice)
         self._lock = threading.Lock()
         self.evictions = 0
         self.corrupt_blocks = 0
 
-    def put(self, key: BlockKey, data: bytes, crc: int) -> PutOutcome:
-        if len(data) > self.capacity_bytes:
+    def view(self, ext: Extent) -> memoryview:
+        return self.arena.view[ext.offset:ext.offset + ext.size]
+
+    # ---- slots: reserve, fill (the caller), commit or abort ------------------------------
+    def reserve(self, key: BlockKey, size: int) -> Extent | PutOutcome:
+        """A slot of `size` bytes for `key` (LRU blocks that are not pinned are evicted to make
+        room); EXISTS when the block is stored already (refreshed), TOO_LARGE when it could never
+        fit, FAILED when every block that could make room is pinned or reserved."""
+        if aligned(size) > self._alloc.capacity:
             return PutOutcome.TOO_LARGE
         with self._lock:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 return PutOutcome.EXISTS
         if self.spill is not None and self.spill.touch(key):
-            return PutOutcome.EXISTS      # a get brings it back to memory when it is wanted
+            return PutOutcome.EXISTS      # a read brings it back to memory when it is wanted
         with self._lock:
-            if key in self._blocks:
-                return PutOutcome.EXISTS
-            evicted = self._make_room(len(data))
-            self._blocks[key] = (data, crc)
-            self._bytes += len(data)
+            ext, evicted = self._allocate(size)
+            if ext is not None:
+                self._reserved += ext.size
         self._spill(evicted)
+        return ext if ext is not None else PutOutcome.FAILED
+
+    def commit(self, key: BlockKey, ext: Extent, crc: int) -> PutOutcome:
+        """Make a reserved slot (its bytes checked by the caller) the stored block `key`, the
+        most recently used; EXISTS (and the slot freed) if another writer stored it meanwhile."""
+        with self._lock:
+            return self._commit_locked(key, ext, crc)
+
+    def _commit_locked(self, key: BlockKey, ext: Extent, crc: int) -> PutOutcome:
+        self._reserved -= ext.size
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            self._free(ext)
+            return PutOutcome.EXISTS
+        ext.crc, ext.stored = crc, True
+        self._blocks[key] = ext
+        self._bytes += ext.size
         return PutOutcome.STORED
 
-    def _make_room(self, size: int) -> list[tuple[BlockKey, bytes, int]]:
+    def abort(self, ext: Extent) -> None:
+        with self._lock:
+            self._reserved -= ext.size
+            self._free(ext)
+
+    def _allocate(self, size: int) -> tuple[Extent | None, list[tuple[BlockKey, bytes, int]]]:
+        """Under the lock. Evicts the least recently used unpinned blocks until an extent fits;
+        their bytes are copied out for the spill tier before the extent can be reused."""
         evicted = []
-        while self._bytes + size > self.capacity_bytes:
-            old_key, (old, old_crc) = self._blocks.popitem(last=False)
-            self._bytes -= len(old)
+        while True:
+            offset = self._alloc.allocate(size)
+            if offset is not None:
+                return Extent(HEADER_BYTES + offset, size), evicted
+            victim = next((k for k, e in self._blocks.items() if not e.pins), None)
+            if victim is None:
+                return None, evicted
+            ext = self._blocks.pop(victim)
+            ext.stored = False
+            self._bytes -= ext.size
             self.evictions += 1
-            evicted.append((old_key, old, old_crc))
-        return evicted
+            if self.spill is not None:
+                evicted.append((victim, bytes(self.view(ext)), ext.crc))
+            self._free(ext)
+
+    def _free(self, ext: Extent) -> None:
+        self._alloc.free(ext.offset - HEADER_BYTES, ext.size)
 
     def _spill(self, evicted) -> None:
-        # Outside the lock: a disk write must not stall the gets of other threads.
+        # Outside the lock: a disk write must not stall the other threads' reads.
         if self.spill is not None:
             for key, data, crc in evicted:
                 self.spill.put(key, data, crc)
 
-    def get(self, key: BlockKey) -> tuple[bytes, int] | None:
+    # ---- pins: a block's extent is not reused while a reader holds it --------------------
+    def pin(self, key: BlockKey) -> Extent | None:
+        """The stored block, pinned (unverified: the reader checks it); a block only on disk is
+        brought back into memory first. None: a miss (or no room to bring it back)."""
         with self._lock:
-            entry = self._blocks.get(key)
-            if entry is not None:
-                self._blocks.move_to_end(key)
-        if entry is not None:
-            data, crc = entry
-            if checksum(data) == crc:
-                return entry
-            with self._lock:   # bit rot or a bug: never hand it out, never keep it
-                if self._blocks.get(key) is entry:
-                    del self._blocks[key]
-                    self._bytes -= len(data)
-                    self.corrupt_blocks += 1
+            ext = self._pin_locked(key)
+        if ext is not None or self.spill is None:
+            return ext
+        found = self.spill.get(key)       # verified by the disk tier
+        if found is None:
             return None
-        if self.spill is None:
+        data, crc = found
+        with self._lock:
+            ext = self._pin_locked(key)   # another reader brought it back meanwhile
+            if ext is not None:
+                return ext
+            slot, evicted = self._allocate(len(data))
+            if slot is not None:
+                self._reserved += slot.size
+                slot.pins = 1             # the reservation's own: nobody else sees it yet
+                self._pins += 1
+        self._spill(evicted)
+        if slot is None:
             return None
-        found = self.spill.get(key)       # read through: a hit comes back into memory
-        if found is not None and len(found[0]) <= self.capacity_bytes:
-            with self._lock:
-                if key not in self._blocks:
-                    evicted = self._make_room(len(found[0]))
-                    self._blocks[key] = found
-                    self._bytes += len(found[0])
-                else:
-                    evicted = []
-            self._spill(evicted)
-        return found
+        copy_into(self.view(slot), data)
+        with self._lock:
+            if self._commit_locked(key, slot, crc) is PutOutcome.STORED:
+                return slot
+            slot.pins, self._pins = 0, self._pins - 1   # EXISTS: freed by the commit
+            return self._pin_locked(key)
+
+    def _pin_locked(self, key: BlockKey) -> Extent | None:
+        ext = self._blocks.get(key)
+        if ext is not None:
+            self._blocks.move_to_end(key)   # a read is a use
+            ext.pins += 1
+            self._pins += 1
+        return ext
+
+    def unpin(self, ext: Extent) -> None:
+        with self._lock:
+            ext.pins -= 1
+            self._pins -= 1
+            if not ext.pins and not ext.stored:   # removed while pinned: its extent is free now
+                self._free(ext)
+
+    def verify(self, key: BlockKey, ext: Extent) -> bool:
+        """Check a pinned block's bytes in place; a corrupt one is removed (and counted)."""
+        if checksum(self.view(ext)) == ext.crc:
+            return True
+        with self._lock:
+            self._drop_corrupt_locked(key, ext)
+        return False
+
+    def _drop_corrupt_locked(self, key: BlockKey, ext: Extent) -> None:
+        # Bit rot or a bug: never hand it out again, never keep it.
+        if self._blocks.get(key) is ext:
+            self._remove_locked(key)
+            self.corrupt_blocks += 1
+
+    # ---- the Backend protocol ------------------------------------------------------------
+    def put(self, key: BlockKey, data, crc: int) -> PutOutcome:
+        slot = self.reserve(key, len(data))
+        if not isinstance(slot, Extent):
+            return slot
+        copy_into(self.view(slot), data)
+        return self.commit(key, slot, crc)
+
+    def get(self, key: BlockKey) -> tuple[bytes, int] | None:
+        ext = self.pin(key)
+        if ext is None:
+            return None
+        try:
+            data = bytes(self.view(ext))
+        finally:
+            self.unpin(ext)
+        if checksum(data) == ext.crc:
+            return data, ext.crc
+        with self._lock:
+            self._drop_corrupt_locked(key, ext)
+        return None
 
     def touch(self, keys: list[BlockKey]) -> None:
         on_disk = []
@@ -113,21 +232,27 @@ class MemoryBackend:
         with self._lock:
             doomed = [k for k in self._blocks if ns_id is None or k[0] == ns_id]
             for k in doomed:
-                self._bytes -= len(self._blocks.pop(k)[0])
+                self._remove_locked(k)
         removed = len(doomed)
         if self.spill is not None:
             removed += self.spill.flush(ns_id)
         return removed
 
+    def _remove_locked(self, key: BlockKey) -> None:
+        ext = self._blocks.pop(key)
+        ext.stored = False
+        self._bytes -= ext.size
+        if not ext.pins:
+            self._free(ext)
+
     def corrupt_for_test(self, key: BlockKey) -> bool:
-        """Flip one stored byte in place of the block (what bit rot would do); tests only."""
+        """Flip one stored byte in place (what bit rot, or a client writing where it must not,
+        would do); tests only."""
         with self._lock:
-            entry = self._blocks.get(key)
-            if entry is None:
+            ext = self._blocks.get(key)
+            if ext is None:
                 return False
-            data = bytearray(entry[0])
-            data[len(data) // 2] ^= 0xFF
-            self._blocks[key] = (bytes(data), entry[1])
+            self.arena.mm[ext.offset + ext.size // 2] ^= 0xFF
             return True
 
     def keys(self) -> list[BlockKey]:
@@ -135,11 +260,17 @@ class MemoryBackend:
         with self._lock:
             return list(self._blocks)
 
+    def free_extents(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return self._alloc.free_extents()
+
     def stats(self) -> BackendStats:
         with self._lock:
             s = BackendStats(self.name, blocks=len(self._blocks), bytes=self._bytes,
                              capacity_bytes=self.capacity_bytes, evictions=self.evictions,
-                             corrupt_blocks=self.corrupt_blocks)
+                             corrupt_blocks=self.corrupt_blocks,
+                             extra={"pins": self._pins, "reserved_bytes": self._reserved,
+                                    "free_bytes": self._alloc.free_bytes})
         if self.spill is not None:
             d = self.spill.stats()
             s.disk_blocks, s.disk_bytes, s.disk_capacity_bytes = d.blocks, d.bytes, d.capacity_bytes
@@ -150,7 +281,8 @@ class MemoryBackend:
         """A graceful stop writes what is in memory to the disk tier (least recent first, so
         the disk's LRU order continues); after kill -9 only what was spilled is there."""
         with self._lock:
-            blocks = [(k, d, c) for k, (d, c) in self._blocks.items()]
+            blocks = [(k, bytes(self.view(e)), e.crc) for k, e in self._blocks.items()] if self.spill else []
             self._blocks.clear()
             self._bytes = 0
         self._spill(blocks)
+        self.arena.close()

@@ -1,4 +1,6 @@
-"""grpc.aio adapter: meshllm.v1.KvStore over a Store, plus the shared-memory arena.
+"""grpc.aio adapter: meshllm.v1.KvStore over a Store, plus the same-host shared memory: the memory
+backend's block memfd that clients map for zero-copy transfers (Pin/Release, Reserve/Commit,
+transfers.py), and the leased windows of arena.py (for the Redis backend).
 
 Copies, checksums, disk and Redis run in a small thread pool, so the event loop keeps answering
 health checks while a 64 MiB batch moves."""
@@ -18,6 +20,7 @@ from services.kvstore import metrics
 from services.kvstore.arena import Arena, LeaseError
 from services.kvstore.config import MIB, KvStoreConfig
 from services.kvstore.store import PutStatus, Store
+from services.kvstore.transfers import TooManyTransfers, Transfer, Transfers
 
 import services  # noqa: F401,E402
 from meshllm.v1 import kv_pb2_grpc  # noqa: E402
@@ -26,7 +29,8 @@ log = logging.getLogger("meshllm.kvstore.server")
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name
 _PUT_PB = {PutStatus.STORED: kv_pb2.KV_PUT_STATUS_STORED, PutStatus.EXISTS: kv_pb2.KV_PUT_STATUS_EXISTS,
            PutStatus.BAD_CHECKSUM: kv_pb2.KV_PUT_STATUS_BAD_CHECKSUM, PutStatus.BAD_SIZE: kv_pb2.KV_PUT_STATUS_BAD_SIZE,
-           PutStatus.TOO_LARGE: kv_pb2.KV_PUT_STATUS_TOO_LARGE, PutStatus.FAILED: kv_pb2.KV_PUT_STATUS_FAILED}
+           PutStatus.TOO_LARGE: kv_pb2.KV_PUT_STATUS_TOO_LARGE, PutStatus.FAILED: kv_pb2.KV_PUT_STATUS_FAILED,
+           PutStatus.RESERVED: kv_pb2.KV_PUT_STATUS_RESERVED}
 
 
 def _checked(ns: "kv_pb2.KvNamespace", hashes) -> bytes:
@@ -36,16 +40,44 @@ def _checked(ns: "kv_pb2.KvNamespace", hashes) -> bytes:
     return kv_blocks.namespace_id(ns)
 
 
+def zero_copy_transfers(store: Store, lease_ttl_s: float, **kw) -> Transfers:
+    """The leases of zero-copy clients; what expires is given back to the store."""
+    def give_back(t: Transfer) -> None:
+        if t.kind == "read":
+            store.unpin(t.blocks)
+        else:
+            store.abort(t.blocks)
+    return Transfers(lease_ttl_s, give_back, **kw)
+
+
 class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
     def __init__(self, store: Store, arena: Arena | None, executor: ThreadPoolExecutor,
-                 copies: ThreadPoolExecutor) -> None:
+                 copies: ThreadPoolExecutor, transfers: Transfers | None = None) -> None:
         self.store = store
-        self.arena = arena
+        self.arena = arena            # windows (any backend), or None
+        self.transfers = transfers    # zero copy (the memory backend's memfd shared), or None
         self._executor = executor    # one call's work, off the event loop
         self._copies = copies        # the blocks of one call, in parallel
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run_holding(self, give_back, fn, *args):
+        """_run for work that takes pins or slots: if the call is cancelled meanwhile (the
+        client's deadline), they are given back when the work ends instead of being lost."""
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def undo(f) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self._executor.submit(give_back, f.result())
+            fut.add_done_callback(undo)
+            raise
+
+    def expire(self) -> None:
+        if self.transfers is not None:
+            self.transfers.expire()
 
     async def _window(self, window: "kv_pb2.ShmWindow", context) -> memoryview | None:
         if not window.lease_id:
@@ -84,6 +116,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         return kv_pb2.PutResponse(statuses=[_PUT_PB[s] for s in statuses])
 
     def _put(self, ns_id: bytes, block_bytes: int, blocks, window: memoryview | None) -> list[PutStatus]:
+        self.expire()   # slots held by an expired lease are room for this put
         statuses: list[PutStatus | None] = [None] * len(blocks)
         checked, where = [], []
         for i, b in enumerate(blocks):
@@ -145,6 +178,12 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         return list(self._map(len(hashes))(one, range(len(hashes))))
 
     async def OpenArena(self, request, context):
+        if request.zero_copy and self.transfers is not None:
+            lease_id = await self._run(self.transfers.open)
+            if lease_id is not None:
+                f = self.store.arena
+                return kv_pb2.OpenArenaResponse(path=f.path, boot_id=f.boot_id, nonce=f.nonce, lease_id=lease_id,
+                                                lease_ttl_s=self.transfers.ttl_s, zero_copy=True, arena_bytes=f.size)
         lease = self.arena.open_window() if self.arena is not None else None
         if lease is None:
             return kv_pb2.OpenArenaResponse()
@@ -154,19 +193,139 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
                                         lease_ttl_s=a.lease_ttl_s)
 
     async def CloseArena(self, request, context):
+        lease_id = request.window.lease_id
+        if self.transfers is not None and await self._run(self.transfers.close, lease_id):
+            return kv_pb2.CloseArenaResponse()
         if self.arena is not None:
-            self.arena.close_window(request.window.lease_id)
+            self.arena.close_window(lease_id)
         return kv_pb2.CloseArenaResponse()
 
+    # ---- zero copy ------------------------------------------------------------------------
+    async def _zero_copy_call(self, request, context, hashes) -> tuple[bytes, int]:
+        """(namespace id, lease id) of a Pin or Reserve, or the call is aborted."""
+        if len(hashes) > kv_blocks.MAX_BLOCKS_PER_CALL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block_hashes: at most {kv_blocks.MAX_BLOCKS_PER_CALL} per call")
+        try:
+            ns_id = _checked(request.namespace, hashes)
+        except NamespaceError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return ns_id, await self._lease(request.lease, context)
+
+    async def _lease(self, lease: "kv_pb2.ShmWindow", context) -> int:
+        if self.transfers is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this kvstore has no zero-copy arena")
+        if not lease.lease_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease.lease_id is required")
+        try:
+            self.transfers.renew(lease.lease_id)
+        except LeaseError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return lease.lease_id
+
+    async def _add(self, lease_id: int, transfer: Transfer, context) -> int:
+        try:
+            return self.transfers.add(lease_id, transfer)
+        except (LeaseError, TooManyTransfers) as exc:
+            await self._run(self.transfers.give_back, transfer)
+            code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(exc, LeaseError)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(code, str(exc))
+
+    async def Pin(self, request, context):
+        hashes = list(request.block_hashes)
+        ns_id, lease_id = await self._zero_copy_call(request, context, hashes)
+        block_bytes = request.namespace.block_bytes
+        pinned = await self._run_holding(self.store.unpin, self._pin, ns_id, block_bytes, hashes)
+        hits = sum(e is not None for e in pinned)
+        metrics.GETS.labels("hit").inc(hits)
+        metrics.GETS.labels("miss").inc(len(hashes) - hits)
+        read_id = 0
+        if hits:
+            read_id = await self._add(lease_id, Transfer("read", ns_id, hashes, pinned, block_bytes), context)
+        return kv_pb2.PinResponse(read_id=read_id, blocks=[
+            kv_pb2.KvBlockMeta(block_hash=h, size=e.size, checksum=e.crc, offset=e.offset) if e is not None
+            else kv_pb2.KvBlockMeta() for h, e in zip(hashes, pinned)])
+
+    def _pin(self, ns_id: bytes, block_bytes: int, hashes: list[bytes]) -> list:
+        self.expire()   # what expired may be what a pin or a reservation needs
+        return self.store.pin(ns_id, block_bytes, hashes)
+
+    async def Release(self, request, context):
+        if len(request.corrupt) > kv_blocks.MAX_BLOCKS_PER_CALL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"corrupt: at most {kv_blocks.MAX_BLOCKS_PER_CALL} indices")
+        lease_id = await self._lease(request.lease, context)
+        t = self.transfers.take(lease_id, request.read_id, "read")
+        if t is None:
+            return kv_pb2.ReleaseResponse()   # expired (and given back) already
+        corrupt = list(request.corrupt)
+        if any(i >= len(t.hashes) for i in corrupt):
+            await self._run(self.store.unpin, t.blocks)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "corrupt: an index past the Pin's blocks")
+        bad = await self._run(self.store.release, t.ns_id, t.hashes, t.blocks, corrupt, self._map(len(corrupt)))
+        if corrupt:
+            log.warning("a reader reported %d corrupt blocks; %d were (removed)", len(set(corrupt)), bad)
+        return kv_pb2.ReleaseResponse(corrupt_removed=bad)
+
+    async def Reserve(self, request, context):
+        hashes = list(request.block_hashes)
+        ns_id, lease_id = await self._zero_copy_call(request, context, hashes)
+        block_bytes = request.namespace.block_bytes
+        slots = await self._run_holding(self.store.abort, self._reserve, ns_id, block_bytes, hashes)
+        reserve_id = 0
+        if any(not isinstance(s, PutStatus) for s in slots):
+            reserve_id = await self._add(lease_id, Transfer("reserve", ns_id, hashes, slots, block_bytes), context)
+        for s in slots:
+            if isinstance(s, PutStatus):
+                metrics.PUTS.labels(s.value).inc()
+        return kv_pb2.ReserveResponse(reserve_id=reserve_id, slots=[
+            kv_pb2.KvSlot(status=_PUT_PB[s]) if isinstance(s, PutStatus)
+            else kv_pb2.KvSlot(status=kv_pb2.KV_PUT_STATUS_RESERVED, offset=s.offset) for s in slots])
+
+    def _reserve(self, ns_id: bytes, block_bytes: int, hashes: list[bytes]) -> list:
+        self.expire()
+        return self.store.reserve(ns_id, block_bytes, hashes)
+
+    async def Commit(self, request, context):
+        lease_id = await self._lease(request.lease, context)
+        t = self.transfers.take(lease_id, request.reserve_id, "reserve")
+        if t is None:
+            return kv_pb2.CommitResponse()    # expired: its slots were given back
+        where = [i for i, s in enumerate(t.blocks) if not isinstance(s, PutStatus)]
+        if request.abort:
+            await self._run(self.store.abort, t.blocks)
+            return kv_pb2.CommitResponse()
+        if len(request.checksums) != len(where):
+            await self._run(self.store.abort, t.blocks)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"checksums: {len(request.checksums)} given for {len(where)} reserved slots")
+        claimed = [0] * len(t.blocks)
+        for i, crc in zip(where, request.checksums):
+            claimed[i] = crc
+        statuses = await self._run(self.store.commit, t.ns_id, t.block_bytes, t.hashes, t.blocks, claimed,
+                                   self._map(len(where)))
+        out = [statuses[i] for i in where]
+        for s in out:
+            metrics.PUTS.labels(s.value).inc()
+        return kv_pb2.CommitResponse(statuses=[_PUT_PB[s] for s in out])
+
     async def Stats(self, request, context):
-        backend, counters = await self._run(self.store.stats)
-        a = self.arena
+        backend, counters = await self._run(self._stats)
+        a, z = self.arena, self.transfers
+        shared = (a.size if a else 0) + (self.store.arena.size if z else 0)
         return kv_pb2.StatsResponse(
+            arena_leases=z.leases if z else 0, transfers=z.in_flight() if z else 0,
+            pinned_blocks=backend.extra.get("pins", 0), reserved_bytes=backend.extra.get("reserved_bytes", 0),
             backend=backend.name, blocks=backend.blocks, bytes=backend.bytes, capacity_bytes=backend.capacity_bytes,
             disk_blocks=backend.disk_blocks, disk_bytes=backend.disk_bytes,
             disk_capacity_bytes=backend.disk_capacity_bytes, hits=counters.hits, misses=counters.misses,
             evictions=backend.evictions, corrupt_blocks=backend.corrupt_blocks,
-            arena_bytes=a.size if a else 0, arena_windows=a.leased if a else 0)
+            arena_bytes=shared, arena_windows=a.leased if a else 0)
+
+    def _stats(self):
+        self.expire()
+        return self.store.stats()
 
     async def Flush(self, request, context):
         if request.HasField("namespace"):
@@ -191,11 +350,21 @@ def _handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
         return message if isinstance(message, bytes) else message.SerializeToString()
 
     methods = {name: getattr(kv_pb2, f"{name}Request") for name in
-               ("Lookup", "Put", "Get", "OpenArena", "CloseArena", "Stats", "Flush")}
+               ("Lookup", "Put", "Get", "OpenArena", "CloseArena", "Pin", "Release", "Reserve", "Commit",
+                "Stats", "Flush")}
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
                                                   response_serializer=serialize)
         for name, req in methods.items()})
+
+
+async def _expire_every(servicer: KvStoreServicer, executor, every_s: float) -> None:
+    """A client killed mid-transfer holds pins and slots until its lease expires: give them back
+    even when no call comes (calls expire them too, before they need room)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every_s)
+        await loop.run_in_executor(executor, servicer.expire)
 
 
 def build_backend(cfg: KvStoreConfig):
@@ -216,22 +385,26 @@ async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
     executor = ThreadPoolExecutor(cfg.worker_threads, thread_name_prefix="kvstore")
     server, health = make_server("kvstore", [SERVICE_NAME])
     copies = ThreadPoolExecutor(cfg.copy_threads, thread_name_prefix="kvstore-copy")
-    servicer = KvStoreServicer(store, arena, executor, copies)
+    transfers = (zero_copy_transfers(store, cfg.lease_ttl_s)
+                 if cfg.zero_copy and store.arena is not None else None)
+    servicer = KvStoreServicer(store, arena, executor, copies, transfers)
     server.add_generic_rpc_handlers((_handlers(servicer),))
     port = bind(server, cfg.address, cfg.internal_tls.server_credentials())
     await server.start()
     health.set_ready(True)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    print(f"kvstore listening on {host}:{port} backend={store.backend.name} "
-          f"capacity={cfg.capacity_bytes} arena={arena.size if arena else 0}", flush=True)
+    print(f"kvstore listening on {host}:{port} backend={store.backend.name} capacity={cfg.capacity_bytes} "
+          f"zero_copy={transfers is not None} windows={arena.size if arena else 0}", flush=True)
     metrics_port = start_metrics_server(cfg.host, cfg.metrics_port)
     if metrics_port:
         print(f"kvstore metrics on http://{host}:{metrics_port}/metrics", flush=True)
     gauges = asyncio.create_task(metrics.refresh_gauges(store, executor))
+    expiry = asyncio.create_task(_expire_every(servicer, executor, min(1.0, cfg.lease_ttl_s / 4)))
     try:
         await stop.wait()
     finally:
         gauges.cancel()
+        expiry.cancel()
         health.set_ready(False, "stopping")
         await server.stop(grace=2.0)
         executor.shutdown(wait=False, cancel_futures=True)

@@ -1,10 +1,12 @@
-"""The kvstore as a real process, driven by the real client over both data planes: round trips
-over the shared-memory window and gRPC bytes, refusals, kill -9 mid-traffic (misses, no hang,
-one log line; used again once restarted), the disk tier across a kill -9, and internal mTLS
-(a client without the mesh's certificate is refused)."""
+"""The kvstore as a real process, driven by the real client over its data planes: zero copy (the
+store's block memory mapped here), the shared-memory window (the Redis backend) and gRPC bytes;
+refusals, corruption found by a reader, leases that end, kill -9 mid-traffic (misses, no hang,
+one log line; used again once restarted, the new arena mapped), the disk tier across a kill -9,
+and internal mTLS (a client without the mesh's certificate is refused)."""
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 import signal
@@ -85,11 +87,11 @@ def _blocks(n: int, tag: bytes) -> list[tuple[bytes, bytes]]:
     return [(tag + i.to_bytes(4, "little"), os.urandom(BLOCK)) for i in range(n)]
 
 
-def test_round_trip_over_shared_memory_and_grpc_bytes(kvstore):
-    shm, plain = KvClient(kvstore.addr), KvClient(kvstore.addr, use_shm=False)
+def test_round_trip_over_zero_copy_and_grpc_bytes(kvstore):
+    shm, plain = KvClient(kvstore.addr, chunk_bytes=8 << 20), KvClient(kvstore.addr, use_shm=False)
     try:
-        assert shm.transport == "shm" and plain.transport == "grpc"
-        # 40 blocks = 10 MiB: more than one 8 MiB window, so the client splits the batch.
+        assert shm.transport == "arena" and plain.transport == "grpc"
+        # 40 blocks = 10 MiB: more than one 8 MiB chunk, so the client splits the batch.
         a, b = _blocks(40, b"shm-"), _blocks(6, b"grpc-")
         assert shm.put(NS, a) == 40 and plain.put(NS, b) == 6
         assert shm.lookup(NS, [h for h, _ in a] + [b"absent"]) == 40
@@ -101,10 +103,172 @@ def test_round_trip_over_shared_memory_and_grpc_bytes(kvstore):
         assert all(bytes(d) == data for d, (_, data) in zip(dests, a)) and bytes(dests[41]) == b[0][1]
         assert shm.get(NS, [h for h, _ in b]) == [data for _, data in b]
         stats = shm.stats()
-        assert stats.backend == "memory" and stats.blocks >= 46 and stats.arena_windows >= 1
+        assert stats.backend == "memory" and stats.blocks >= 46 and stats.arena_leases >= 1
+        assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0 and stats.transfers == 0
     finally:
         shm.close()
         plain.close()
+
+
+def test_zero_copy_reads_and_writes_in_place_are_byte_identical_and_chunked(kvstore):
+    client = KvClient(kvstore.addr, chunk_bytes=4 * BLOCK)
+    mapped, unmapped = [], []
+    client.set_arena_hooks(mapped.append, unmapped.append)
+    blocks = _blocks(10, b"zc-")
+    hashes = [h for h, _ in blocks]
+    fills = []
+
+    def fill(start, idx, views):
+        fills.append((start, list(idx)))
+        for k, v in zip(idx, views):
+            assert not v.readonly and len(v) == BLOCK
+            v[:] = blocks[k][1]
+
+    try:
+        assert client.write_zero_copy(NS, hashes, fill) == 10
+        assert fills == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9])]
+        assert len(mapped) == 1 and unmapped == []        # mapped once, before any view was handed out
+        # Stored already: EXISTS, no slot, fill not called.
+        assert client.write_zero_copy(NS, hashes[:4] + [b"zc-new"], fill) == 5 and fills[-1] == (4, [4])
+        seen, starts = {}, []
+
+        def consume(start, views):
+            starts.append(start)
+            for i, v in enumerate(views):
+                assert v is None or v.readonly
+                seen[start + i] = bytes(v) if v is not None else None
+
+        got = client.read_zero_copy(NS, hashes[:5] + [b"zc-absent"] + hashes[5:], consume)
+        assert got == [True] * 5 + [False] + [True] * 5 and starts == [0, 4, 8]
+        assert [seen[i] for i in range(11) if i != 5] == [d for _, d in blocks] and seen[5] is None
+        # put / get_into go through the same slots; a plain client reads what they wrote.
+        assert KvClient(kvstore.addr, use_shm=False).get(NS, hashes[:2]) == [d for _, d in blocks[:2]]
+        stats = client.stats()
+        assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0 and stats.transfers == 0
+    finally:
+        client.close()
+    assert unmapped and unmapped[0] is mapped[0]              # close() unmaps it, hook first
+    # No arena here (gRPC bytes only): None, the caller falls back to get_into / put.
+    plain = KvClient(kvstore.addr, use_shm=False)
+    try:
+        assert plain.read_zero_copy(NS, hashes, consume) is None
+        assert plain.write_zero_copy(NS, hashes, fill) is None
+    finally:
+        plain.close()
+
+
+def test_a_consume_or_fill_that_raises_is_a_miss_and_a_drop_never_an_error(kvstore):
+    client = KvClient(kvstore.addr)
+    blocks = _blocks(3, b"raise-")
+    hashes = [h for h, _ in blocks]
+
+    def bad(*_):
+        raise RuntimeError("the device copy failed")
+
+    try:
+        assert client.write_zero_copy(NS, hashes, bad) == 0 and client.lookup(NS, hashes) == 0
+        assert client.put(NS, blocks) == 3
+        assert client.read_zero_copy(NS, hashes, bad) == [False] * 3
+        assert client.get(NS, hashes) == [d for _, d in blocks]   # nothing was dropped for it
+        stats = client.stats()
+        assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0 and stats.transfers == 0
+    finally:
+        client.close()
+
+
+def _map_arena(opened: "kv_pb2.OpenArenaResponse") -> mmap.mmap:
+    fd = os.open(opened.path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, opened.arena_bytes)
+    finally:
+        os.close(fd)
+
+
+def test_a_block_corrupted_in_place_is_found_by_the_reader_reported_and_removed(kvstore):
+    client = KvClient(kvstore.addr)
+    blocks = _blocks(3, b"rot-")
+    hashes = [h for h, _ in blocks]
+    try:
+        assert client.put(NS, blocks) == 3
+        before = client.stats().corrupt_blocks
+        # Another same-host process scribbles over block 1 where it lies in the store's memory.
+        with grpc.insecure_channel(kvstore.addr) as ch:
+            stub = kv_pb2_grpc.KvStoreStub(ch)
+            opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
+            lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
+            pin = stub.Pin(kv_pb2.PinRequest(namespace=NS, block_hashes=hashes[1:2], lease=lease), timeout=5)
+            mm = _map_arena(opened)
+            mm[pin.blocks[0].offset + 100] ^= 0xFF
+            mm.close()
+            stub.Release(kv_pb2.ReleaseRequest(lease=lease, read_id=pin.read_id), timeout=5)
+            stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+        seen = {}
+        got = client.read_zero_copy(NS, hashes, lambda start, views: seen.update(
+            {start + i: v is not None for i, v in enumerate(views)}))
+        assert got == [True, False, True] and seen == {0: True, 1: True, 2: True}   # handed out, then refused
+        stats = client.stats()
+        assert stats.corrupt_blocks == before + 1 and stats.pinned_blocks == 0
+        assert client.lookup(NS, hashes) == 1 and client.get(NS, hashes[2:]) == [blocks[2][1]]
+        assert client.put(NS, blocks[1:2]) == 1 and client.get(NS, hashes[1:2]) == [blocks[1][1]]   # saved again
+    finally:
+        client.close()
+
+
+def test_a_wrong_crc_at_commit_is_refused_and_its_slot_freed(kvstore):
+    data = os.urandom(BLOCK)
+    with grpc.insecure_channel(kvstore.addr) as ch:
+        stub = kv_pb2_grpc.KvStoreStub(ch)
+        opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
+        assert opened.zero_copy and opened.arena_bytes > BLOCK
+        lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
+        res = stub.Reserve(kv_pb2.ReserveRequest(namespace=NS, block_hashes=[b"crc-1", b"crc-2"], lease=lease),
+                           timeout=5)
+        mm = _map_arena(opened)
+        for slot in res.slots:
+            mm[slot.offset:slot.offset + BLOCK] = data
+        mm.close()
+        done = stub.Commit(kv_pb2.CommitRequest(lease=lease, reserve_id=res.reserve_id,
+                                                checksums=[checksum(data) ^ 0x10, checksum(data)]), timeout=5)
+        assert list(done.statuses) == [kv_pb2.KV_PUT_STATUS_BAD_CHECKSUM, kv_pb2.KV_PUT_STATUS_STORED]
+        assert stub.Lookup(kv_pb2.LookupRequest(namespace=NS, block_hashes=[b"crc-1"]), timeout=5).num_found == 0
+        assert stub.Lookup(kv_pb2.LookupRequest(namespace=NS, block_hashes=[b"crc-2"]), timeout=5).num_found == 1
+        assert stub.Stats(kv_pb2.StatsRequest(), timeout=5).reserved_bytes == 0
+        stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+
+
+def test_the_pins_and_slots_of_a_client_that_vanished_are_freed_when_its_lease_ends():
+    store = KvStoreProc("--capacity-gb", str(4 * BLOCK / (1 << 30)), "--lease-ttl-s", "1.5").start()
+    client = KvClient(store.addr)
+    blocks = _blocks(2, b"ttl-")
+    try:
+        assert client.put(NS, blocks) == 2
+        with grpc.insecure_channel(store.addr) as ch:     # a client killed mid-transfer: no Release, no Commit
+            stub = kv_pb2_grpc.KvStoreStub(ch)
+            lease = kv_pb2.ShmWindow(lease_id=stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True),
+                                                             timeout=5).lease_id)
+            stub.Pin(kv_pb2.PinRequest(namespace=NS, block_hashes=[h for h, _ in blocks], lease=lease), timeout=5)
+            res = stub.Reserve(kv_pb2.ReserveRequest(namespace=NS, block_hashes=[b"ttl-a", b"ttl-b"], lease=lease),
+                               timeout=5)
+            assert [s.status for s in res.slots] == [kv_pb2.KV_PUT_STATUS_RESERVED] * 2
+            stats = stub.Stats(kv_pb2.StatsRequest(), timeout=5)
+            assert stats.pinned_blocks == 2 and stats.reserved_bytes == 2 * BLOCK
+            # The memory is all pinned or reserved: a save finds no room (dropped, never an error).
+            assert client.put(NS, _blocks(1, b"ttl-full-")) == 0
+            deadline = time.monotonic() + 5
+            while (s := stub.Stats(kv_pb2.StatsRequest(), timeout=5)).pinned_blocks or s.reserved_bytes:
+                assert time.monotonic() < deadline, "the vanished client's pins and slots were never freed"
+                time.sleep(0.1)
+            assert s.transfers == 0
+            with pytest.raises(grpc.RpcError) as err:     # its lease has ended
+                stub.Commit(kv_pb2.CommitRequest(lease=lease, reserve_id=res.reserve_id, checksums=[0, 0]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # Idle past half its lease too, our client gets a new lease and the memory is usable again.
+        time.sleep(0.8)
+        more = _blocks(4, b"ttl-more-")
+        assert client.put(NS, more) == 4 and client.get(NS, [h for h, _ in more]) == [d for _, d in more]
+    finally:
+        client.close()
+        store.stop()
 
 
 def test_bad_blocks_and_bad_requests_are_refused(kvstore):
@@ -182,6 +346,8 @@ def test_background_saves_are_bounded_and_never_block_the_caller(kvstore):
 def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store_is_used(caplog):
     store = KvStoreProc("--capacity-gb", "0.1").start()
     client = KvClient(store.addr, timeout_s=0.5, max_retry_after_s=1.0)
+    mapped, unmapped = [], []
+    client.set_arena_hooks(mapped.append, unmapped.append)
     stop, slowest, errors = threading.Event(), [0.0], []
     blocks = _blocks(4, b"k9-")
 
@@ -191,6 +357,11 @@ def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store
             try:
                 if kind == "save":
                     client.put(NS, blocks)
+                elif kind == "zero-copy":
+                    client.read_zero_copy(NS, [h for h, _ in blocks], lambda start, views: [
+                        bytes(v) for v in views if v is not None])
+                    client.write_zero_copy(NS, [b"k9-w"], lambda start, idx, views: [
+                        v.__setitem__(slice(None), blocks[0][1]) for v in views])
                 else:
                     client.get_into(NS, [h for h, _ in blocks], [bytearray(BLOCK) for _ in blocks])
                     client.lookup(NS, [h for h, _ in blocks])
@@ -200,8 +371,8 @@ def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store
 
     caplog.set_level(logging.INFO, logger="meshllm.kv_client")
     try:
-        assert client.put(NS, blocks) == 4 and client.transport == "shm"
-        threads = [threading.Thread(target=traffic, args=(k,)) for k in ("save", "load", "load")]
+        assert client.put(NS, blocks) == 4 and client.transport == "arena"
+        threads = [threading.Thread(target=traffic, args=(k,)) for k in ("save", "load", "zero-copy")]
         for t in threads:
             t.start()
         time.sleep(0.5)
@@ -224,7 +395,8 @@ def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store
         assert errors == []
         assert slowest[0] < 3.0, f"a call took {slowest[0]:.1f}s"
         assert client.available and client.get(NS, [blocks[1][0]]) == [blocks[1][1]]
-        assert client.transport == "shm"                # a new window in the new store's arena
+        assert client.transport == "arena"              # the new store's arena mapped ...
+        assert len(mapped) == 2 and unmapped == mapped[:1]   # ... and the old one unmapped
         lost = [r for r in caplog.records if "lost" in r.getMessage()]
         assert len(lost) == 1, [r.getMessage() for r in lost]    # logged once, not per call
         assert any("answers again" in r.getMessage() for r in caplog.records)
@@ -239,9 +411,10 @@ def test_a_hung_kvstore_costs_one_deadline_then_misses_at_once_and_a_full_one_dr
     client = KvClient(store.addr, timeout_s=0.5, lookup_timeout_s=0.2, max_retry_after_s=1.0)
     blocks = _blocks(3, b"slow-")
     try:
-        assert client.put(NS, blocks) == 3                 # full: the LRU makes room
+        assert client.put(NS, blocks) == 2                 # one put larger than the store: its tail dropped
         assert client.lookup(NS, [h for h, _ in blocks]) == 2   # the chain's head stayed
-        assert client.lookup(NS, [blocks[2][0]]) == 0          # its tail was evicted
+        assert client.put(NS, _blocks(1, b"slow-next-")) == 1  # full: the LRU makes room ...
+        assert client.lookup(NS, [h for h, _ in blocks]) == 1  # ... from the chain's tail
         big = kv_pb2.KvNamespace(model_id="big", block_size=16, num_layers=1, tp_size=1, block_bytes=4 * BLOCK)
         assert client.put(big, [(b"big-1", bytes(4 * BLOCK))]) == 0   # larger than the store: dropped
         assert client.available
@@ -269,23 +442,27 @@ def test_disk_spill_survives_a_kill_9(tmp_path):
     spill = str(tmp_path / "spill")
     args = ("--capacity-gb", str(4 * BLOCK / (1 << 30)), "--disk-dir", spill, "--disk-gb", "0.05")
     store = KvStoreProc(*args).start()
-    client = KvClient(store.addr)
+    client = KvClient(store.addr, chunk_bytes=4 * BLOCK)   # a read pins one chunk at a time: the memory's size
     try:
         blocks = _blocks(12, b"disk-")
-        assert client.put(NS, blocks) == 12
+        for i in range(0, 12, 4):                      # each put evicts the one before to disk
+            assert client.put(NS, blocks[i:i + 4]) == 4
         st = client.stats()
         assert st.backend == "memory+disk" and st.blocks == 4 and st.disk_blocks == 8
         store.kill9()
         store.start()
-        # The chain's tail (8 blocks) was spilled: it is found again; its head (4 blocks, the most
-        # recently used) was in host memory and died with the process.
+        # The first 8 blocks were spilled: found again; the last 4 were in host memory and died
+        # with the process.
         hashes = [h for h, _ in blocks]
         deadline = time.monotonic() + 10
-        while client.lookup(NS, hashes[4:]) != 8:
+        while client.lookup(NS, hashes) != 8:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        assert client.lookup(NS, hashes) == 0
-        assert client.get(NS, hashes[4:]) == [d for _, d in blocks[4:]]
+        assert client.lookup(NS, hashes[8:]) == 0
+        got = {}
+        assert client.read_zero_copy(NS, hashes[:8], lambda start, views: got.update(
+            {start + i: bytes(v) for i, v in enumerate(views)})) == [True] * 8   # read through into the arena
+        assert [got[i] for i in range(8)] == [d for _, d in blocks[:8]]
     finally:
         client.close()
         store.stop()
@@ -309,15 +486,19 @@ def test_the_kvstore_process_over_a_redis_backend_keeps_nothing_itself(tmp_path)
             time.sleep(0.05)
         store.start()
         client = KvClient(store.addr)
-        blocks = _blocks(3, b"redis-")
-        assert client.put(NS, blocks) == 3
+        # Redis keeps the blocks: no zero copy, the same-host plane is a window (8 MiB here);
+        # 40 blocks = 10 MiB: more than one window, so the client splits the batch.
+        assert client.transport == "shm"
+        assert client.read_zero_copy(NS, [b"x"], lambda *_: None) is None
+        blocks = _blocks(40, b"redis-")
+        assert client.put(NS, blocks) == 40
         assert client.get(NS, [h for h, _ in blocks]) == [d for _, d in blocks]
         st = client.stats()
-        assert st.backend == "redis" and st.blocks == 3
+        assert st.backend == "redis" and st.blocks == 40 and st.arena_windows == 1
         store.kill9()              # the blocks live in Redis: a new kvstore finds them
         store.start()
         deadline = time.monotonic() + 10
-        while client.lookup(NS, [h for h, _ in blocks]) != 3:
+        while client.lookup(NS, [h for h, _ in blocks]) != 40:
             assert time.monotonic() < deadline
             time.sleep(0.2)
     finally:

@@ -1,10 +1,13 @@
 """The kvstore's store rules on every backend: host memory, memory with disk spill, and Redis
-(a real redis-server started here on a free port; a failure, never a skip, if it cannot be).
+(a real redis-server started here on a free port; a failure, never a skip, if it cannot be);
+then the memory backend's arena: extents, pins against eviction, reserved slots committed only
+with the right CRC-32C, reported corruption checked again, the hard bound with mixed sizes.
 
 Blocks are small (16 KiB) so each test moves a few MB at most."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -16,7 +19,8 @@ import redis
 from services.common.kv_blocks import NamespaceError, check_namespace, checksum, kv_pb2, namespace_id
 from services.kvstore import record
 from services.kvstore.disk import DiskTier
-from services.kvstore.memory import MemoryBackend
+from services.kvstore.extents import ALIGN, ExtentAllocator
+from services.kvstore.memory import Extent, MemoryBackend
 from services.kvstore.redis_backend import RedisBackend, _key
 from services.kvstore.store import PutStatus, Store
 from services.scheduler.core.kv_cache_manager import chained_block_hash
@@ -225,8 +229,9 @@ def test_memory_lru_evicts_the_least_recently_used_and_never_exceeds_capacity():
 def test_a_chain_is_evicted_from_its_tail_so_what_stays_is_a_prefix():
     store = Store(MemoryBackend(4 * BLOCK))
     chain = _chain(6)
+    # One put larger than the memory: the head gets the slots, the tail is dropped.
     statuses = store.put_batch(NSID, BLOCK, [(h, _data(i), checksum(_data(i))) for i, h in enumerate(chain)])
-    assert statuses == [PutStatus.STORED] * 6
+    assert statuses == [PutStatus.STORED] * 4 + [PutStatus.FAILED] * 2
     assert store.lookup(NSID, chain) == 4                      # blocks 0..3: the head
     found = store.get_batch(NSID, BLOCK, chain)
     assert [f is not None for f in found] == [True] * 4 + [False] * 2
@@ -345,3 +350,169 @@ def test_every_namespace_field_changes_the_namespace_id():
     assert base not in ids and len(ids) == len(changed)
     # No ambiguity by concatenation: ("ab", "c") vs ("a", "bc").
     assert namespace_id(_ns(model_id="ab", weights_fingerprint="c")) != namespace_id(_ns(model_id="a", weights_fingerprint="bc"))
+
+
+# ---- the memory backend's arena: extents, pins, reserved slots ---------------------------------
+def test_extents_reuse_an_exact_fit_first_and_coalesce_what_is_freed():
+    a = ExtentAllocator(18 * ALIGN)
+    x, y, z, w, v = (a.allocate(n * ALIGN) for n in (4, 4, 4, 2, 4))
+    assert (x, y, z, w, v) == (0, 4 * ALIGN, 8 * ALIGN, 12 * ALIGN, 14 * ALIGN) and a.free_bytes == 0
+    a.free(x, 4 * ALIGN)
+    a.free(w, 2 * ALIGN)
+    assert a.allocate(2 * ALIGN) == w                  # an exact fit, not a split of the first fit x
+    assert a.allocate(2 * ALIGN) == x                  # else first fit, split ...
+    assert a.free_extents() == [(x + 2 * ALIGN, 2 * ALIGN)]   # ... the rest stays free
+    for off, n in ((x, 2), (y, 4), (z, 4), (w, 2), (v, 4)):
+        a.free(off, n * ALIGN)
+    assert a.free_extents() == [(0, 18 * ALIGN)] and a.free_bytes == 18 * ALIGN   # all merged back
+    assert a.allocate(19 * ALIGN) is None and a.allocate(1) == 0                   # sizes round up
+    with pytest.raises(ValueError):
+        a.free(3, ALIGN)                                # not an extent it gave out
+
+
+def test_extents_never_overlap_and_cover_the_region_under_random_traffic():
+    rng = random.Random(7)
+    a = ExtentAllocator(1 << 20)
+    live: dict[int, int] = {}
+    for _ in range(3000):
+        if live and (rng.random() < 0.45 or a.free_bytes < 64 << 10):
+            off = rng.choice(list(live))
+            a.free(off, live.pop(off))
+        else:
+            size = rng.choice([ALIGN, 3 * ALIGN, 16 << 10, 40 << 10])
+            off = a.allocate(size)
+            if off is not None:
+                live[off] = -(-size // ALIGN) * ALIGN
+        spans = sorted([(o, s, "used") for o, s in live.items()] + [(o, s, "free") for o, s in a.free_extents()])
+        end = 0
+        for o, s, _ in spans:
+            assert o == end, "a gap or an overlap"
+            end = o + s
+        assert end == a.capacity
+        free = a.free_extents()
+        assert all(o1 + s1 < o2 for (o1, s1), (o2, _) in zip(free, free[1:])), "adjacent free extents not merged"
+
+
+def _pin(store: Store, hashes: list[bytes]) -> list:
+    return store.pin(NSID, BLOCK, hashes)
+
+
+def test_a_pinned_block_survives_eviction_pressure_and_is_evicted_after_release():
+    backend = MemoryBackend(4 * BLOCK)
+    store = Store(backend)
+    chain = _chain(12)
+    for i, h in enumerate(chain[:4]):
+        _put(store, h, _data(i))
+    pinned = _pin(store, [chain[0]])
+    _put(store, chain[1], _data(1))                      # 0 is now the least recently used
+    for i, h in enumerate(chain[4:10], 4):               # pressure: six more blocks
+        assert _put(store, h, _data(i)) == PutStatus.STORED
+    assert chain[0] in [k[1] for k in backend.keys()]    # pinned: never evicted
+    assert bytes(backend.view(pinned[0])) == _data(0)    # and never overwritten
+    assert backend.stats().bytes <= 4 * BLOCK
+    store.release(NSID, [chain[0]], pinned, [])
+    assert backend.stats().extra["pins"] == 0
+    _put(store, chain[10], _data(10))
+    assert chain[0] not in [k[1] for k in backend.keys()]   # released: evicted first (the LRU)
+    # Every block pinned or reserved: no room, nothing evicted, the put is dropped.
+    held = _pin(store, chain[7:11])
+    assert _put(store, chain[11], _data(11)) == PutStatus.FAILED
+    store.release(NSID, chain[7:11], held, [])
+    assert _put(store, chain[11], _data(11)) == PutStatus.STORED
+
+
+def test_a_block_removed_while_pinned_keeps_its_bytes_until_released():
+    backend = MemoryBackend(2 * BLOCK)
+    store = Store(backend)
+    h = _chain(1)[0]
+    _put(store, h, _data(3))
+    pinned = _pin(store, [h])
+    assert store.flush(NSID) == 1 and store.lookup(NSID, [h]) == 0
+    other = _chain(2, seed=77)
+    for i, o in enumerate(other):                        # the memory is full of others now
+        _put(store, o, _data(10 + i))
+    assert bytes(backend.view(pinned[0])) == _data(3)    # the reader's bytes are untouched
+    assert backend.stats().extra["free_bytes"] == 0 and store.lookup(NSID, other[1:]) == 1
+    store.release(NSID, [h], pinned, [])
+    assert backend.stats().extra["free_bytes"] == BLOCK                      # its extent is free now
+    assert _put(store, _chain(1, seed=99)[0], _data(5)) == PutStatus.STORED
+    assert store.lookup(NSID, other[1:]) == 1 and backend.stats().evictions == 1   # no eviction for it
+
+
+def test_reserved_slots_are_committed_only_with_the_right_crc32c():
+    backend = MemoryBackend(4 * BLOCK)
+    store = Store(backend)
+    chain = _chain(3)
+    _put(store, chain[0], _data(0))
+    slots = store.reserve(NSID, BLOCK, chain)
+    assert slots[0] is PutStatus.EXISTS and all(isinstance(x, Extent) for x in slots[1:])
+    assert store.lookup(NSID, chain) == 1                # reserved is not visible
+    for i in (1, 2):
+        backend.view(slots[i])[:] = _data(i)
+    claimed = [0, checksum(_data(1)), checksum(_data(2)) ^ 1]
+    assert store.commit(NSID, BLOCK, chain, slots, claimed) == [PutStatus.EXISTS, PutStatus.STORED,
+                                                                PutStatus.BAD_CHECKSUM]
+    assert store.lookup(NSID, chain) == 2 and store.get(NSID, BLOCK, chain[1])[0] == _data(1)
+    s = backend.stats()
+    assert s.extra["reserved_bytes"] == 0 and s.extra["free_bytes"] == 4 * BLOCK - 2 * BLOCK   # refused: freed
+
+
+def test_a_block_corrupted_in_place_is_removed_only_when_the_store_finds_it_corrupt_too():
+    backend = MemoryBackend(4 * BLOCK)
+    store = Store(backend)
+    chain = _chain(3)
+    for i, h in enumerate(chain):
+        _put(store, h, _data(i))
+    pinned = _pin(store, chain)
+    backend.corrupt_for_test((NSID, chain[1]))
+    seen = [checksum(backend.view(e)) == e.crc for e in pinned]   # what a reader checks
+    assert seen == [True, False, True]
+    # The reader reports 1 (truly corrupt) and 2 (a false report: kept).
+    assert store.release(NSID, chain, pinned, [1, 2]) == 1
+    assert backend.stats().corrupt_blocks == 1 and backend.stats().extra["pins"] == 0
+    assert store.lookup(NSID, chain) == 1 and store.lookup(NSID, chain[2:]) == 1
+    assert store.get(NSID, BLOCK, chain[1]) is None
+
+
+def test_the_capacity_is_a_hard_bound_with_two_namespaces_of_different_block_sizes():
+    small, big = BLOCK, 3 * BLOCK + 1000                  # the big one is not a multiple of ALIGN
+    ns_small, ns_big = NSID, namespace_id(_ns(block_bytes=big))
+    cap = 10 * BLOCK
+    backend = MemoryBackend(cap)
+    store = Store(backend)
+    rng = random.Random(3)
+    stored: dict[tuple[bytes, bytes], bytes] = {}
+    for i in range(120):
+        ns, size = (ns_big, big) if rng.random() < 0.4 else (ns_small, small)
+        h = i.to_bytes(4, "little") * 8
+        data = bytes([i % 251]) * size
+        status = store.put(ns, size, h, data, checksum(data))
+        assert status in (PutStatus.STORED, PutStatus.FAILED)
+        if status is PutStatus.STORED:
+            stored[(ns, h)] = data
+        s = backend.stats()
+        assert s.bytes + s.extra["reserved_bytes"] <= cap and backend.arena.size == 4096 + cap // ALIGN * ALIGN
+        if i % 20 == 0:
+            held = _pin(store, [h])                       # a reader in the middle of the traffic
+            store.release(ns, [h], held, [])
+    kept = backend.keys()
+    assert {k[0] for k in kept} == {ns_small, ns_big}
+    for ns, h in kept:                                    # every kept block is intact
+        size = big if ns == ns_big else small
+        assert store.get(ns, size, h)[0] == stored[(ns, h)]
+
+
+def test_evicted_arena_blocks_spill_to_disk_and_a_restart_finds_them(tmp_path):
+    spill_dir = str(tmp_path / "spill")
+    per_file = record.record_size(b"x" * 32, BLOCK)
+    store = Store(MemoryBackend(2 * BLOCK, DiskTier(spill_dir, 16 * per_file)))
+    chain = _chain(6)
+    for i in range(0, 6, 2):                             # three puts: each evicts the one before
+        store.put_batch(NSID, BLOCK, [(h, _data(j), checksum(_data(j))) for j, h in enumerate(chain[i:i + 2], i)])
+    pinned = _pin(store, chain[:1])                      # read through from disk into the arena
+    assert pinned[0] is not None and bytes(store.backend.view(pinned[0])) == _data(0)
+    store.release(NSID, chain[:1], pinned, [])
+    store.backend.close()                                # kill -9 would lose only what is in memory
+    again = Store(MemoryBackend(2 * BLOCK, DiskTier(spill_dir, 16 * per_file)))
+    assert again.lookup(NSID, chain) == 6
+    assert [again.get(NSID, BLOCK, h)[0] for h in chain] == [_data(i) for i in range(6)]
