@@ -144,7 +144,7 @@ class TpWorker:
         return reply.result
 
     def stop(self) -> None:
-        self.proc.terminate()
+        self.proc.terminate()   # a no-op when already told
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -210,12 +210,14 @@ def rank_ns(ns, rank: int):
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    """A kvstore and two TP=2 workers (A and B), each exporting its cache and using the kvstore."""
+    """A kvstore and two TP=2 workers (A and B), each exporting its cache and using the kvstore.
+    B, which loads, overlaps steps as on a GPU: its rank 0 fans plan N+1 out (and the agreement
+    with it) before it collects step N, while its rank 1 runs one request after the other."""
     tmp = tmp_path_factory.mktemp("tp-kv")
     model_dir = make_tiny_llama(tmp / "tiny", seed=5)
     store = KvStoreProc("--capacity-gb", "0.1").start()
     flags = ("--kvstore-addr", store.addr, "--kv-export", "--kv-load-timeout-ms", "5000")
-    workers = [TpWorker(model_dir, tmp, name, *flags) for name in ("a", "b")]
+    workers = [TpWorker(model_dir, tmp, "a", *flags), TpWorker(model_dir, tmp, "b", *flags, "--overlap-steps", "on")]
     client = KvClient(store.addr)
     try:
         for w in workers:
@@ -223,6 +225,8 @@ def mesh(tmp_path_factory):
         yield workers[0], workers[1], client
     finally:
         client.close()
+        for w in workers:   # both stop at once
+            w.proc.terminate()
         for w in workers:
             w.stop()
         store.stop()
