@@ -163,7 +163,7 @@ class Core:
         info = worker.hello()
         self.ns = info.kv_namespace if store is not None and info.HasField("kv_namespace") else None
         cfg = SchedulerConfig(max_model_len=256, block_size=BS, max_num_batched_tokens=64, kv_tier=self.ns is not None)
-        self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(), VOCAB,
+        self.core = Scheduler(cfg, info.num_kv_blocks, frozenset(), VOCAB, num_host_blocks=info.num_host_kv_blocks,
                               export_addr=info.kv_export_addr if export else "")
         self.saved_hashes: dict[str, list[bytes]] = {}
         self.handoffs = {}
@@ -210,14 +210,16 @@ def rank_ns(ns, rank: int):
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    """A kvstore and two TP=2 workers (A and B), each exporting its cache and using the kvstore.
+    """A kvstore and two TP=2 workers (A and B), each exporting its cache and using the kvstore;
+    A also has a host pool (tier 1).
     B, which loads, overlaps steps as on a GPU: its rank 0 fans plan N+1 out (and the agreement
     with it) before it collects step N, while its rank 1 runs one request after the other."""
     tmp = tmp_path_factory.mktemp("tp-kv")
     model_dir = make_tiny_llama(tmp / "tiny", seed=5)
     store = KvStoreProc("--capacity-gb", "0.1").start()
     flags = ("--kvstore-addr", store.addr, "--kv-export", "--kv-load-timeout-ms", "5000")
-    workers = [TpWorker(model_dir, tmp, "a", *flags), TpWorker(model_dir, tmp, "b", *flags, "--overlap-steps", "on")]
+    workers = [TpWorker(model_dir, tmp, "a", *flags, "--kv-offload-gb", "0.01"),
+               TpWorker(model_dir, tmp, "b", *flags, "--overlap-steps", "on")]
     client = KvClient(store.addr)
     try:
         for w in workers:
@@ -309,6 +311,20 @@ def test_tp2_direct_hand_off_gives_the_cold_output_and_a_bad_peer_is_recomputed(
     tokens, cached, _ = decode("127.0.0.1:1")                     # nobody there: both ranks fail, recomputed
     assert tokens == cold["cold"] and cached == 0
     prefill.core.abort(["a"])                                     # the gateway releases the lease
+
+
+def test_tp2_host_offload_serves_prompts_the_device_pool_evicted(mesh):
+    """Tier 1: every rank copies its own shard to and from the same slots (rank 1 needs rank 0's
+    --kv-offload-gb: without a host pool it would refuse the plans rank 0 runs)."""
+    a, _, _ = mesh
+    prompts = {f"h{i}": long_prompt(20 + i, 61) for i in range(6)}   # 90 full blocks > the 64 on the device
+    e = Core(a)
+    first = {}
+    for rid, p in prompts.items():
+        first.update(e.run(Request(rid, list(p), 4))[0])
+    again, cached = e.run(Request("h0'", list(prompts["h0"]), 4))
+    assert again["h0'"] == first["h0"] and cached["h0'"] == 60      # every block back from host memory
+    assert e.core.tier_stats["host_hit_blocks"] == 15
 
 
 def test_a_peer_of_another_tensor_parallel_size_is_refused_and_rank_r_maps_rank_rs_shard(mesh):
