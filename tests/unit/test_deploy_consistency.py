@@ -3,7 +3,7 @@ Kubernetes, every deployed command line parses with that service's own argument 
 config validation, and the ports and addresses line up across the service configs, the
 Envoy sidecars, docker-compose and the Kubernetes manifests. A change on either side that
 is not made on the other fails here. The prefill/decode variants (docker-compose.pd.yml,
-overlays/pd) are held to the same checks, and to their roles."""
+overlays/pd and pd-mtls) are held to the same checks, and to their roles."""
 from __future__ import annotations
 
 import importlib
@@ -17,10 +17,11 @@ from tests.unit.deploy_tools import (COMPOSE_DIR, K8S_DIR, ROOT, compose_config,
                                      kustomize, mounted_envoy_config, probe_target)
 
 COMPOSE_VARIANTS = {"base": ("docker-compose.yml",), "pd": ("docker-compose.yml", "docker-compose.pd.yml")}
-K8S_OVERLAYS = ("cpu", "gpu", "cpu-mtls", "pd")
+K8S_OVERLAYS = ("cpu", "gpu", "cpu-mtls", "pd", "pd-mtls")
+K8S_PD_OVERLAYS = ("pd", "pd-mtls")  # overlays/pd, and it with components/internal-mtls
 # Server services a variant deliberately does not run: prefill/decode has no supervisor (its
 # engine-1 would be a third, colocated engine the gateway does not route to).
-PARKED = {"pd": {"supervisor"}}
+PARKED = {"pd": {"supervisor"}, "pd-mtls": {"supervisor"}}
 
 IMAGE_PATHS = {  # paths inside the image -> what stands for them here
     "/opt/meshllm/models/smollm2-135m-instruct": "smollm2",
@@ -442,10 +443,10 @@ def test_k8s_network_policies_admit_every_call_the_services_make(k8s):
 
 
 def test_k8s_and_compose_run_the_same_services_with_the_same_flags(k8s, local_paths):
-    """Beyond addresses and devices, a service is configured alike in both (overlays/pd like
+    """Beyond addresses and devices, a service is configured alike in both (overlays/pd and pd-mtls like
     docker-compose.pd.yml, role by role; the others like docker-compose.yml)."""
     overlay, _, containers = k8s
-    which = "pd" if overlay == "pd" else "base"
+    which = "pd" if overlay in K8S_PD_OVERLAYS else "base"
     compose = compose_config(*COMPOSE_VARIANTS[which])
     compose_apps = _compose_apps(compose, local_paths)
     ignore = re.compile(r"^--(host|tokenizer-addr|engine-addr|embedder-addr|profiler-addr|worker|service|"
@@ -531,64 +532,142 @@ def test_tracing_settings_are_valid_and_compose_exports_through_the_sidecar(vari
     assert cfg.endpoint is None  # off until the operator names a collector
 
 
-def test_k8s_internal_mtls_gives_each_service_its_identity_and_certs_that_name_what_peers_dial(local_paths):
-    """overlays/cpu-mtls: every container runs with its own identity's Secret, its exec probes
-    present that certificate, and make-dev-certs.sh makes exactly those Secrets (valid
-    manifests) with certificates whose names cover every address the services dial."""
-    import base64
+MTLS_OVERLAYS = ("cpu-mtls", "pd-mtls")
+TLS_ENV = ("MESHLLM_INTERNAL_TLS_CERTFILE", "MESHLLM_INTERNAL_TLS_KEYFILE", "MESHLLM_INTERNAL_TLS_CA_CERTS")
+
+
+def tls_identity(workload: dict, module: str) -> str:
+    """The identity a container runs with under components/internal-mtls: its service's name, or
+    for a prefill/decode engine's scheduler and worker `<role>-<service>` (each role its own)."""
+    role = workload["spec"]["template"]["metadata"]["labels"].get("meshllm.io/kv-role")
+    return f"{role}-{module}" if role else module
+
+
+@pytest.fixture(scope="module")
+def dev_certs() -> dict[str, dict]:
+    """The Secrets deploy/k8s/make-dev-certs.sh writes, by name (the script run once)."""
     import os
     import subprocess
     import sys
 
-    import kubernetes_validate
     import yaml
-    from cryptography import x509
 
-    from tests.unit.deploy_tools import K8S_VERSION, kubectl
+    from tests.unit.deploy_tools import kubectl
 
-    docs = kustomize(K8S_DIR / "overlays" / "cpu-mtls")
-    spec_cm = next(d for d in docs if d["kind"] == "ConfigMap"
-                   and d["metadata"]["name"].startswith("meshllm-supervisor-spec"))
-    pathlib.Path(local_paths["k8s-spec"]).write_text(spec_cm["data"]["supervisor-spec.json"])
-    wanted = {}
-    dials = []  # (host, identity that must answer)
-    for w in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
-        pod = w["spec"]["template"]["spec"]
-        secrets = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
-        for c in pod["containers"]:
-            module, *argv = c["args"]
-            env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
-            cert = env["MESHLLM_INTERNAL_TLS_CERTFILE"]
-            secret = secrets[mounts[cert.rsplit("/", 1)[0]]]
-            assert secret == f"meshllm-tls-{module}", (module, secret)
-            wanted[secret] = module
-            for probe in (c["readinessProbe"], c["livenessProbe"]):
-                if "exec" in probe:
-                    cmd = probe["exec"]["command"]
-                    assert cmd[cmd.index("--tls-certfile") + 1] == cert
-                    assert cmd[cmd.index("--tls-server-name") + 1] == module
-            cfg = parse_service(module, argv, local_paths)
-            for addr, identity in outbound(module, cfg):
-                host = hostport(addr)[0]
-                if identity not in ("worker-zmq", "gateway"):  # pod-local ZMQ; the public port
-                    dials.append((host, "supervisor" if host == "supervisor" else identity))
-    script = K8S_DIR / "make-dev-certs.sh"
-    r = subprocess.run(["bash", str(script), "meshllm"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PATH": f"{pathlib.Path(kubectl()).parent}:"
-                            f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin"})
+    r = subprocess.run(["bash", str(K8S_DIR / "make-dev-certs.sh"), "meshllm"], capture_output=True, text=True,
+                       timeout=180, env={**os.environ, "PATH": f"{pathlib.Path(kubectl()).parent}:"
+                                         f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
-    made = {d["metadata"]["name"]: d for d in yaml.safe_load_all(r.stdout) if d}
-    assert set(wanted) <= set(made), sorted(set(wanted) - set(made))
-    for secret in made.values():
+    made = [d for d in yaml.safe_load_all(r.stdout) if d]
+    names = [d["metadata"]["name"] for d in made]
+    assert len(names) == len(set(names)), names
+    return dict(zip(names, made))
+
+
+def _dns_names(secret: dict) -> list[str]:
+    import base64
+
+    from cryptography import x509
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+
+
+def test_make_dev_certs_writes_valid_secrets_from_one_ca_each_key_its_certificates(dev_certs):
+    import base64
+
+    import kubernetes_validate
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from tests.unit.deploy_tools import K8S_VERSION
+
+    cas = set()
+    for name, secret in dev_certs.items():
         kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
-        assert {"tls.crt", "tls.key", "ca.crt"} <= set(secret["data"])
-    assert dials
-    for host, identity in dials:
-        pem = base64.b64decode(made[f"meshllm-tls-{identity}"]["data"]["tls.crt"])
-        names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
-            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
-        assert host in names, f"{identity}'s certificate does not name {host}"
+        assert secret["metadata"]["namespace"] == "meshllm" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+        data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+        cas.add(data["ca.crt"])
+        cert = x509.load_pem_x509_certificate(data["tls.crt"])
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate(data["ca.crt"]))
+        key = serialization.load_pem_private_key(data["tls.key"], None)
+        assert key.public_key() == cert.public_key(), name
+    assert len(cas) == 1, "the Secrets come from more than one CA: peers would not trust each other"
+    # a prefill/decode engine's certificate names its own role's pods and not the other's
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        for module in ("scheduler", "worker"):
+            names = _dns_names(dev_certs[f"meshllm-tls-{role}-{module}"])
+            assert f"engine-{role}-0.engine-{role}" in names, (role, module, names)
+            foreign = [n for n in names if f"engine-{other}" in n or re.match(r"engine-\d+\.engine\b", n)]
+            assert not foreign, (role, module, foreign)
+
+
+@pytest.mark.parametrize("overlay", MTLS_OVERLAYS)
+def test_k8s_internal_mtls_gives_each_service_its_identity_and_certs_that_name_what_peers_dial(
+        overlay, local_paths, dev_certs):
+    """overlays/cpu-mtls and pd-mtls: every container runs with all three internal TLS settings
+    (its servers require mTLS and its channels speak it: no internal hop is plain), read from its
+    own identity's Secret, which no other container of the pod mounts (a PD engine's scheduler and
+    worker: <role>-scheduler and <role>-worker); its probes are exec probes presenting that
+    certificate and naming that identity; make-dev-certs.sh makes every one of those Secrets; and
+    for every address a service dials (the gateway's and the profiler's engines and services, the
+    engines' kvstore), the certificate of the container that answers there names that address."""
+    docs, containers = _k8s(overlay, local_paths)
+    gen = envoy_generator()
+    wanted = {}  # Secret -> identity
+    answering = []  # (pod labels, gRPC port, Secret of the container listening there)
+    for w, c, module, cfg in containers:
+        where = f"{overlay}: {w['metadata']['name']}/{c['name']}"
+        pod = w["spec"]["template"]["spec"]
+        identity = tls_identity(w, module)
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        paths = [env.get(n) for n in TLS_ENV]
+        assert all(paths), f"{where} runs without internal TLS (its servers and channels would be plain)"
+        folder, = {p.rsplit("/", 1)[0] for p in paths}
+        mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        volume = mounts[folder]
+        assert secrets[volume] == f"meshllm-tls-{identity}", (where, secrets[volume])
+        assert [m for m in mounts.values() if m in secrets] == [volume], f"{where} mounts another identity's key"
+        shared = [x["name"] for x in pod["containers"] if x is not c
+                  and volume in {m["name"] for m in x.get("volumeMounts", [])}]
+        assert not shared, f"{where}: its key is mounted into {shared} too"
+        wanted[secrets[volume]] = identity
+        for name in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if name not in c or module == "gateway":  # the gateway's probes ask its public port
+                continue
+            assert "grpc" not in c[name], f"{where}: a plain grpc {name} against a TLS port"
+            cmd = c[name]["exec"]["command"]
+            assert "--tls" in cmd, (where, name)
+            flags = {f: cmd[cmd.index(f) + 1] for f in ("--tls-certfile", "--tls-keyfile", "--tls-ca-certs",
+                                                         "--tls-server-name")}
+            assert [flags["--tls-certfile"], flags["--tls-keyfile"], flags["--tls-ca-certs"]] == paths, (where, name)
+            assert flags["--tls-server-name"] == identity, (where, name)
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        answering.append((labels, grpc_port(module, cfg), secrets[volume]))
+        if module == "supervisor":  # and its engine-1, whose processes inherit its environment
+            answering.append((labels, gen.SUPERVISED_ENGINE_PORT, secrets[volume]))
+    missing = set(wanted) - set(dev_certs)
+    assert not missing, f"make-dev-certs.sh does not make {sorted(missing)}"
+    for secret, identity in wanted.items():  # what the probes' --tls-server-name checks
+        assert identity in _dns_names(dev_certs[secret]), (secret, identity)
+    reached = set()
+    for w, c, module, cfg in containers:
+        for addr, identity in outbound(module, cfg):
+            if identity in ("worker-zmq", "gateway"):  # pod-local ZMQ; the gateway's public port
+                continue
+            host, port = hostport(addr)
+            svc, _ = _resolve(docs, host)
+            behind = {secret for labels, p, secret in answering
+                      if p == port and _matches({"matchLabels": svc["spec"]["selector"]}, labels)}
+            assert behind, f"{overlay}: {module} dials {addr}, where no container answers"
+            for secret in behind:
+                assert host in _dns_names(dev_certs[secret]), f"{secret}'s certificate does not name {host}"
+            reached |= behind
+    # every internal server is dialed by someone and checked (the gateway's ports are public)
+    servers = set(wanted) - {"meshllm-tls-gateway"}
+    assert reached == servers, sorted(reached ^ servers)
+    if overlay == "pd-mtls":
+        assert {f"meshllm-tls-{r}-{m}" for r in ("prefill", "decode") for m in ("scheduler", "worker")} <= reached
 
 
 # ---- prefill/decode ----------------------------------------------------------------------
@@ -622,11 +701,12 @@ def test_compose_pd_runs_one_prefill_and_one_decode_engine_on_the_kvstore(local_
     assert {cfg.kv_role for m, cfg in base.values() if m == "scheduler"} == {""}
 
 
-def test_k8s_pd_runs_one_prefill_and_one_decode_engine_on_the_kvstore(local_paths):
-    """overlays/pd, as each service's own parser reads it: the two engine StatefulSets have the
-    roles their names and pod labels say, both use the kvstore, and the gateway's engine
-    addresses reach exactly their schedulers."""
-    docs, containers = _k8s("pd", local_paths)
+@pytest.mark.parametrize("overlay", K8S_PD_OVERLAYS)
+def test_k8s_pd_runs_one_prefill_and_one_decode_engine_on_the_kvstore(overlay, local_paths):
+    """overlays/pd and pd-mtls, as each service's own parser reads them: the two engine
+    StatefulSets have the roles their names and pod labels say, both use the kvstore, and the
+    gateway's engine addresses reach exactly their schedulers."""
+    docs, containers = _k8s(overlay, local_paths)
     roles = {}
     for w, c, module, cfg in containers:
         if module in ("scheduler", "worker"):
