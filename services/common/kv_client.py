@@ -67,33 +67,42 @@ def _nbytes(buf) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _map_shared(resp: "kv_pb2.OpenArenaResponse", size: int) -> mmap.mmap:
+    """Map the first `size` bytes of the store's memfd, checked to be the store's: the path
+    names a pid's fd, which on another host or after pid reuse is someone else's."""
+    fd = os.open(resp.path, os.O_RDWR)
+    try:
+        if not len(resp.nonce) < size <= os.fstat(fd).st_size:
+            raise OSError("the shared memory is smaller than the kvstore says")
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if mm[:len(resp.nonce)] != resp.nonce:
+        mm.close()
+        raise OSError("the mapping is not the kvstore's shared memory")
+    return mm
+
+
+def _unmap(mm: mmap.mmap, view: memoryview) -> None:
+    view.release()
+    try:
+        mm.close()
+    except BufferError:   # a caller kept a view: the mapping goes with its last reference
+        pass
+
+
 class _Window:
-    """This client's leased window of the kvstore's arena, mapped into our address space."""
+    """This client's leased window of the kvstore's shared memory (the Redis backend's plane)."""
 
     def __init__(self, resp: "kv_pb2.OpenArenaResponse") -> None:
-        fd = os.open(resp.path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            if resp.window_offset + resp.window_bytes > size:
-                raise OSError("the arena is smaller than the window")
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        # The path names a pid's fd: on another host or after pid reuse it is someone else's.
-        if self._mm[:len(resp.nonce)] != resp.nonce:
-            self._mm.close()
-            raise OSError("the mapping is not the kvstore's arena")
+        self._mm = _map_shared(resp, resp.window_offset + resp.window_bytes)
         self.lease = kv_pb2.ShmWindow(lease_id=resp.lease_id)
         self.view = memoryview(self._mm)[resp.window_offset:resp.window_offset + resp.window_bytes]
         self.size = resp.window_bytes
         self.lock = threading.Lock()
 
     def close(self) -> None:
-        self.view.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        _unmap(self._mm, self.view)
 
 
 class _Arena:
@@ -101,35 +110,22 @@ class _Arena:
     writes name offsets in it. Unmapped only once retired and no transfer uses it."""
 
     def __init__(self, resp: "kv_pb2.OpenArenaResponse") -> None:
-        fd = os.open(resp.path, os.O_RDWR)
-        try:
-            if not len(resp.nonce) < resp.arena_bytes <= os.fstat(fd).st_size:
-                raise OSError("the arena is not the size the kvstore says")
-            self.mm = mmap.mmap(fd, resp.arena_bytes)
-        finally:
-            os.close(fd)
-        if self.mm[:len(resp.nonce)] != resp.nonce:   # another host's pid, or a reused one
-            self.mm.close()
-            raise OSError("the mapping is not the kvstore's arena")
+        self.mm = _map_shared(resp, resp.arena_bytes)
         self.nonce = resp.nonce
         self.size = resp.arena_bytes
         self.view = memoryview(self.mm)
         self.users = 0          # transfers using it now (under the client's lock)
         self.retired = False
 
-    def slot(self, meta_offset: int, size: int, floor: int) -> memoryview | None:
+    def slot(self, offset: int, size: int) -> memoryview | None:
         """The block at [offset, offset + size), or None when the store named bytes outside the
-        arena (never trusted blindly)."""
-        if meta_offset < floor or size <= 0 or meta_offset + size > self.size:
+        arena (or its nonce): an answer is never trusted blindly."""
+        if offset < len(self.nonce) or size <= 0 or offset + size > self.size:
             return None
-        return self.view[meta_offset:meta_offset + size]
+        return self.view[offset:offset + size]
 
     def close(self) -> None:
-        self.view.release()
-        try:
-            self.mm.close()
-        except BufferError:   # a caller kept a view: the mapping goes with its last reference
-            pass
+        _unmap(self.mm, self.view)
 
 
 def _boot_id() -> str:
@@ -269,18 +265,22 @@ class KvClient:
         if not self.use_shm:
             return None
         for _ in range(2):
-            now = time.monotonic()
             with self._lock:
-                a = self._arena
-                # A lease idle for half its life is replaced rather than risked; the old one ends on its own.
-                if a is not None and self._lease_id and now - self._lease_used < self._lease_ttl_s / 2:
-                    self._lease_used = now
-                    a.users += 1
-                    return a, self._lease_id
-                if self._window is not None or now < self._open_retry_at:
+                if self._leased_locked():
+                    self._lease_used = time.monotonic()
+                    self._arena.users += 1
+                    return self._arena, self._lease_id
+                if self._window is not None or time.monotonic() < self._open_retry_at:
                     return None
             self._open()
         return None
+
+    def _leased_locked(self) -> bool:
+        """A mapped arena and a lease on it that is safe to use: one idle for half its life is
+        replaced rather than risked (the store ends it after a whole life; the old one ends on
+        its own)."""
+        return (self._arena is not None and self._lease_id != 0
+                and time.monotonic() - self._lease_used < self._lease_ttl_s / 2)
 
     def _done(self, arena: _Arena) -> None:
         with self._lock:
@@ -327,8 +327,7 @@ class KvClient:
         try waits (5 s, a minute when shared memory cannot work here)."""
         with self._open_lock:
             with self._lock:
-                if (self._arena is not None and self._lease_id) or self._window is not None \
-                        or time.monotonic() < self._open_retry_at:
+                if self._leased_locked() or self._window is not None or time.monotonic() < self._open_retry_at:
                     return   # another thread opened (or failed) meanwhile
                 self._open_retry_at = time.monotonic() + 5.0
             resp = self._call(self._stub.OpenArena, kv_pb2.OpenArenaRequest(
@@ -382,7 +381,7 @@ class KvClient:
         if not self.use_shm:
             return None
         with self._lock:
-            if self._window is not None or (self._arena is not None and self._lease_id):
+            if self._window is not None or self._leased_locked():
                 return self._window
             if time.monotonic() < self._open_retry_at:
                 return None
@@ -464,38 +463,50 @@ class KvClient:
     def _step(self, ns) -> int:
         return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, self.chunk_bytes // max(1, ns.block_bytes)))
 
+    def _leased(self, transfer):
+        """transfer(arena, lease) under a live lease; once more under a new one when the store
+        did not know ours (it restarted unnoticed, or the lease ended): then the transfer
+        answers _LEASE_REFUSED before it did anything. None: no arena mapped here."""
+        for _ in range(2):
+            got = self._arena_lease()
+            if got is None:
+                return None
+            arena, lease = got
+            try:
+                result = transfer(arena, lease)
+            finally:
+                self._done(arena)
+            if result is not _LEASE_REFUSED:
+                return result
+        return None
+
+    def _refused_lease(self, lease: int) -> bool:
+        """After a failed call: did it fail because the store forgot our lease?"""
+        with self._lock:
+            return self.available and self._lease_id != lease
+
     def _write_arena(self, ns, hashes: list[bytes], fill) -> int | None:
         """Reserve, fill, checksum and commit, chunk by chunk, the commit of chunk k on a
         helper thread while chunk k+1 is reserved and filled. None: no arena mapped here."""
-        got = self._arena_lease()
-        if got is None:
-            return None
-        arena, lease = got
-        kept, pending, retried = 0, None, False
+        return self._leased(lambda arena, lease: self._write_chunks(ns, hashes, fill, arena, lease))
+
+    def _write_chunks(self, ns, hashes: list[bytes], fill, arena: _Arena, lease: int):
+        kept, pending = 0, None
         try:
             step = self._step(ns)
-            i = 0
-            while i < len(hashes):
+            for i in range(0, len(hashes), step):
                 chunk = hashes[i:i + step]
                 resp = self._call(self._stub.Reserve, kv_pb2.ReserveRequest(
                     namespace=ns, block_hashes=chunk, lease=kv_pb2.ShmWindow(lease_id=lease)),
                     self._deadline(0))
                 if resp is None:
-                    if retried or not self._lease_lost(lease):
-                        break
-                    retried = True            # the lease had ended (idle): one more try, a new lease
-                    self._done(arena)
-                    got = self._arena_lease()
-                    if got is None:
-                        arena = None
-                        break
-                    arena, lease = got
-                    continue
+                    if i == 0 and self._refused_lease(lease):
+                        return _LEASE_REFUSED
+                    break
                 reserved_at = time.monotonic()
-                floor = len(arena.nonce)
                 idx, slots = [], []
                 for j, slot in enumerate(resp.slots[:len(chunk)]):
-                    view = arena.slot(slot.offset, ns.block_bytes, floor) if slot.status == _RESERVED else None
+                    view = arena.slot(slot.offset, ns.block_bytes) if slot.status == _RESERVED else None
                     if view is not None:
                         idx.append(i + j)
                         slots.append(view)
@@ -520,19 +531,10 @@ class KvClient:
                                                    reserved_at)
                 if failed:
                     break
-                i += len(chunk)
         finally:
             if pending is not None:
                 kept += pending.result()
-            if arena is not None:
-                self._done(arena)
         return kept
-
-    def _lease_lost(self, lease: int) -> bool:
-        """After a failed call: True when it failed because the store forgot our lease (an idle
-        one ends), so the call is worth one more try under a new lease."""
-        with self._lock:
-            return self.available and self._lease_id != lease
 
     def _commit(self, lease: int, reserve_id: int, slots: list, crcs, abort: bool, reserved_at: float) -> int:
         """The store checks the slots against our checksums and keeps the good ones; how many."""
@@ -659,39 +661,25 @@ class KvClient:
     def _read_arena(self, ns, hashes: list[bytes], handle) -> list[bool] | None:
         """Pin, hand the views to `handle(start, views, metas) -> [verified or None]`, release,
         chunk by chunk. None: no arena mapped here."""
-        got = self._arena_lease()
-        if got is None:
-            return None
-        arena, lease = got
+        return self._leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease))
+
+    def _read_chunks(self, ns, hashes: list[bytes], handle, arena: _Arena, lease: int):
         found = [False] * len(hashes)
-        retried = False
-        try:
-            step = self._step(ns)
-            i = 0
-            while i < len(hashes):
-                chunk = hashes[i:i + step]
-                ok = self._read_chunk(ns, chunk, i, arena, lease, handle)
-                if ok is None:
-                    if retried or not self._lease_lost(lease):
-                        break
-                    retried = True            # the lease had ended (idle): one more try, a new lease
-                    self._done(arena)
-                    got = self._arena_lease()
-                    if got is None:
-                        arena = None
-                        break
-                    arena, lease = got
-                    continue
-                found[i:i + len(ok)] = ok
-                if len(ok) < len(chunk) or self._skip():
-                    break
-                i += len(chunk)
-        finally:
-            if arena is not None:
-                self._done(arena)
+        step = self._step(ns)
+        for i in range(0, len(hashes), step):
+            chunk = hashes[i:i + step]
+            ok = self._read_chunk(ns, chunk, i, arena, lease, handle)
+            if ok is None:
+                return _LEASE_REFUSED if i == 0 and self._refused_lease(lease) else found
+            found[i:i + len(ok)] = ok
+            if len(ok) < len(chunk) or self._skip():
+                break   # the store lost, or the caller's consume failed
         return found
 
-    def _read_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int, handle) -> list[bool] | None:
+    def _read_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int,
+                    handle) -> list[bool] | None:
+        """Found-and-verified per block of the chunk; shorter than the chunk: stop here; None:
+        the Pin failed."""
         nbytes = len(chunk) * ns.block_bytes
         resp = self._call(self._stub.Pin, kv_pb2.PinRequest(namespace=ns, block_hashes=chunk,
                                                             lease=kv_pb2.ShmWindow(lease_id=lease)),
@@ -702,7 +690,7 @@ class KvClient:
         metas = list(resp.blocks)
         if len(metas) != len(chunk):
             metas = []   # an answer we cannot use: misses (and the pins given back)
-        views = [arena.slot(m.offset, ns.block_bytes, len(arena.nonce))
+        views = [arena.slot(m.offset, ns.block_bytes)
                  if m.block_hash == h and m.size == ns.block_bytes else None for m, h in zip(metas, chunk)]
         read_only = [v.toreadonly() if v is not None else None for v in views]
         failed = False
@@ -786,6 +774,9 @@ class KvClient:
         self._channel.close()
         self._copies.shutdown(wait=False)
         self._commits.shutdown(wait=False)
+
+
+_LEASE_REFUSED = object()   # a zero-copy transfer's first call: the store does not know our lease
 
 
 class _ConsumeFailed(Exception):

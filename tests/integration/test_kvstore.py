@@ -239,6 +239,8 @@ def test_a_wrong_crc_at_commit_is_refused_and_its_slot_freed(kvstore):
 def test_the_pins_and_slots_of_a_client_that_vanished_are_freed_when_its_lease_ends():
     store = KvStoreProc("--capacity-gb", str(4 * BLOCK / (1 << 30)), "--lease-ttl-s", "1.5").start()
     client = KvClient(store.addr)
+    mapped = []
+    client.set_arena_hooks(mapped.append, None)
     blocks = _blocks(2, b"ttl-")
     try:
         assert client.put(NS, blocks) == 2
@@ -262,8 +264,10 @@ def test_the_pins_and_slots_of_a_client_that_vanished_are_freed_when_its_lease_e
             with pytest.raises(grpc.RpcError) as err:     # its lease has ended
                 stub.Commit(kv_pb2.CommitRequest(lease=lease, reserve_id=res.reserve_id, checksums=[0, 0]), timeout=5)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        # Idle past half its lease too, our client gets a new lease and the memory is usable again.
+        # Idle past half its lease too, our client gets a new lease (the same mapping) and the
+        # memory is usable again.
         time.sleep(0.8)
+        assert client.transport == "arena" and len(mapped) == 1
         more = _blocks(4, b"ttl-more-")
         assert client.put(NS, more) == 4 and client.get(NS, [h for h, _ in more]) == [d for _, d in more]
     finally:
@@ -397,9 +401,13 @@ def test_kill_9_mid_traffic_gives_misses_without_hanging_and_the_restarted_store
         assert client.available and client.get(NS, [blocks[1][0]]) == [blocks[1][1]]
         assert client.transport == "arena"              # the new store's arena mapped ...
         assert len(mapped) == 2 and unmapped == mapped[:1]   # ... and the old one unmapped
-        lost = [r for r in caplog.records if "lost" in r.getMessage()]
-        assert len(lost) == 1, [r.getMessage() for r in lost]    # logged once, not per call
-        assert any("answers again" in r.getMessage() for r in caplog.records)
+        # Logged once per loss, not per call: "lost" and "answers again" alternate. (On a loaded
+        # machine a call to the restarted store can miss its 0.5 s deadline: a second loss.)
+        episodes = [r.getMessage() for r in caplog.records if " lost (" in r.getMessage()
+                    or "answers again" in r.getMessage()]
+        assert episodes and " lost (" in episodes[0] and "answers again" in episodes[-1], episodes
+        assert all((" lost (" in e) == (i % 2 == 0) for i, e in enumerate(episodes)), episodes
+        assert len(episodes) <= 4, episodes
     finally:
         stop.set()
         client.close()
