@@ -365,6 +365,8 @@ class KvClient:
                 log.info("kvstore %s: zero copy, its %d MiB of block memory mapped", self.address,
                          mapped.size >> 20)
             with self._lock:
+                if mapped.retired:   # given up meanwhile (the store lost too long): not ours to hand out
+                    return
                 self._arena, self._lease_id = mapped, resp.lease_id
                 self._lease_ttl_s, self._lease_used, self._open_retry_at = resp.lease_ttl_s, time.monotonic(), 0.0
             if current is not None and mapped is not current:
@@ -623,9 +625,10 @@ class KvClient:
                        consume: Consume) -> list[bool] | None:
         """Load blocks straight out of the store's memory: None when no arena is mapped here
         (use get_into). Otherwise the found blocks are pinned and `consume(start, views)` is
-        called on this thread, chunk by chunk: views[i] is a read-only memoryview of block
-        start+i inside the mapped arena, or None for a miss; consume copies them out (e.g. GPU
-        DMAs) and returns once the copies are complete, keeping no view. Meanwhile the client
+        called on this thread, chunk by chunk (a chunk where nothing was found is skipped):
+        views[i] is a read-only memoryview of block start+i inside the mapped arena, or None for
+        a miss; consume copies them out (e.g. GPU DMAs) and returns once the copies are
+        complete, keeping no view. Meanwhile the client
         verifies every view's CRC-32C on its pool; then the blocks are unpinned (the corrupt
         ones reported to the store). True where the block was found and verified; a consume
         that raises makes its chunk misses and ends the load. Never raises."""
