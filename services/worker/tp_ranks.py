@@ -141,8 +141,9 @@ class TpLink:
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         dist.all_gather(sizes, n, group=self.cpu_group)
         width = max(1, max(int(t.item()) for t in sizes))
-        buf = torch.zeros(width, dtype=torch.uint8)
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        buf = torch.zeros(width, dtype=torch.uint8)   # gloo's all_gather wants equal sizes
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
         dist.all_gather(bufs, buf, group=self.cpu_group)
         return [b[:int(t.item())].numpy().tobytes() for b, t in zip(bufs, sizes)]
