@@ -1,8 +1,12 @@
 """What every kvstore backend does (host-memory LRU with optional disk spill, Redis), in
-values: a key is (namespace id, block hash); a block is its bytes and their CRC-32.
+values: a key is (namespace id, block hash); a block is its bytes and their CRC-32C.
 
 Backends are synchronous and thread-safe; the gRPC adapter calls them from a thread pool.
-A backend never raises for a missing, corrupt or unreachable block: that is a miss."""
+A backend never raises for a missing, corrupt or unreachable block: that is a miss.
+
+The memory backend (memory.py) also keeps its blocks in shared memory (`arena`) and offers
+reserve / commit / abort of slots and pin / unpin / verify of stored blocks, the zero-copy
+plane (store.py uses them when `arena` is set); Redis keeps nothing here (`arena` is None)."""
 from __future__ import annotations
 
 import enum

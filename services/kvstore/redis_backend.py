@@ -25,6 +25,7 @@ def _key(key: BlockKey) -> bytes:
 
 class RedisBackend:
     name = "redis"
+    arena = None   # nothing kept here: no zero copy (the same-host plane is a window)
 
     def __init__(self, url: str, capacity_bytes: int, timeout_s: float = 2.0) -> None:
         self.url = url
