@@ -628,7 +628,8 @@ class KvClient:
         called on this thread, chunk by chunk (a chunk where nothing was found is skipped):
         views[i] is a read-only memoryview of block start+i inside the mapped arena, or None for
         a miss; consume copies them out (e.g. GPU DMAs) and returns once the copies are
-        complete, keeping no view. Meanwhile the client
+        complete, keeping no view; returning False ends the load after this chunk (the later
+        blocks are misses, never pinned). Meanwhile the client
         verifies every view's CRC-32C on its pool; then the blocks are unpinned (the corrupt
         ones reported to the store). True where the block was found and verified; a consume
         that raises makes its chunk misses and ends the load. Never raises."""
@@ -642,7 +643,8 @@ class KvClient:
         def verify_beside(first: int, views: list, metas: list) -> list[bool | None]:
             crcs = [self._copies.submit(checksum, v) if v is not None else None for v in views]
             try:
-                consume(first, views)
+                if consume(first, views) is False:
+                    stop[0] = True
             except Exception as exc:  # noqa: BLE001 - the caller's copy failed: misses, reported once
                 self._log_once(f"kvstore load: consume failed ({type(exc).__name__}: {str(exc)[:120]})")
                 for f in crcs:
@@ -651,7 +653,8 @@ class KvClient:
                 raise _ConsumeFailed() from None
             return [None if f is None else f.result() == m.checksum for f, m in zip(crcs, metas)]
 
-        found = self._read_arena(ns, list(block_hashes), verify_beside)
+        stop = [False]
+        found = self._read_arena(ns, list(block_hashes), verify_beside, stop)
         return None if found is None else self._loaded(ns, found, start)
 
     def _loaded(self, ns, found: list[bool], start: float) -> list[bool]:
@@ -661,12 +664,12 @@ class KvClient:
         self._timed("load", hits * ns.block_bytes, start)
         return found
 
-    def _read_arena(self, ns, hashes: list[bytes], handle) -> list[bool] | None:
+    def _read_arena(self, ns, hashes: list[bytes], handle, stop=(False,)) -> list[bool] | None:
         """Pin, hand the views to `handle(start, views, metas) -> [verified or None]`, release,
-        chunk by chunk. None: no arena mapped here."""
-        return self._leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease))
+        chunk by chunk (until stop[0] is set). None: no arena mapped here."""
+        return self._leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease, stop))
 
-    def _read_chunks(self, ns, hashes: list[bytes], handle, arena: _Arena, lease: int):
+    def _read_chunks(self, ns, hashes: list[bytes], handle, arena: _Arena, lease: int, stop):
         found = [False] * len(hashes)
         step = self._step(ns)
         for i in range(0, len(hashes), step):
@@ -675,8 +678,8 @@ class KvClient:
             if ok is None:
                 return _LEASE_REFUSED if i == 0 and self._refused_lease(lease) else found
             found[i:i + len(ok)] = ok
-            if len(ok) < len(chunk) or self._skip():
-                break   # the store lost, or the caller's consume failed
+            if len(ok) < len(chunk) or stop[0] or self._skip():
+                break   # the store lost, or the caller's consume failed or had enough
         return found
 
     def _read_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int,

@@ -140,6 +140,9 @@ def test_zero_copy_reads_and_writes_in_place_are_byte_identical_and_chunked(kvst
 
         got = client.read_zero_copy(NS, hashes[:5] + [b"zc-absent"] + hashes[5:], consume)
         assert got == [True] * 5 + [False] + [True] * 5 and starts == [0, 4, 8]
+        # consume returning False ends the load after its chunk: the rest is never pinned.
+        assert client.read_zero_copy(NS, hashes, lambda start, views: starts.append(start) or False) == \
+            [True] * 4 + [False] * 6 and starts[3:] == [0]
         assert [seen[i] for i in range(11) if i != 5] == [d for _, d in blocks] and seen[5] is None
         # put / get_into go through the same slots; a plain client reads what they wrote.
         assert KvClient(kvstore.addr, use_shm=False).get(NS, hashes[:2]) == [d for _, d in blocks[:2]]
