@@ -30,19 +30,22 @@ class KvSaver:
         self._thread = threading.Thread(target=self._run, name="kv-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, ns, blocks: Sequence[Block], before=None, after=None) -> bool:
+    def submit(self, ns, blocks: Sequence[Block], before=None, after=None, put=None, nbytes: int | None = None) -> bool:
         """Queue blocks for saving; the caller must not change their buffers afterwards. False
         (and nothing queued) when they would push the queue past its bound. On the saver's
         thread `before()` runs before the put (e.g. wait for a device copy into the buffers) and
         `after(kept)` after it (e.g. give the buffers back; kept: blocks the store holds, 0 when
-        the put failed), whatever the put's outcome."""
-        nbytes = sum(memoryview(buf).nbytes for _, buf in blocks)
+        the put failed), whatever the put's outcome. `put(ns, blocks) -> kept` replaces the
+        client's put (e.g. a device-to-store copy, services/worker/kv_store_io.py); with it,
+        `nbytes` is what the blocks hold (their buffers need not be bytes-like then)."""
+        if nbytes is None:
+            nbytes = sum(memoryview(buf).nbytes for _, buf in blocks)
         with self._cond:
             if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.dropped += len(blocks)
                 DROPPED.labels(TIER).inc(len(blocks))
                 return False
-            self._queue.append((ns, list(blocks), nbytes, before, after))
+            self._queue.append((ns, list(blocks), nbytes, before, after, put))
             self._pending_bytes += nbytes
             self._cond.notify()
         return True
@@ -58,12 +61,12 @@ class KvSaver:
                     self._cond.wait()
                 if not self._queue:
                     return
-                ns, blocks, nbytes, before, after = self._queue.popleft()
+                ns, blocks, nbytes, before, after, put = self._queue.popleft()
             kept = 0
             try:
                 if before is not None:
                     before()
-                kept = self.client.put(ns, blocks)   # never raises; counts its own drops
+                kept = (put or self.client.put)(ns, blocks)   # never raises; counts its own drops
             except Exception:  # noqa: BLE001 - a failed copy is a dropped save
                 kept = 0
             finally:

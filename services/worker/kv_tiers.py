@@ -5,11 +5,13 @@
   device blocks (loads). Both are enqueued on the step's stream ahead of its forward, offloads
   first, so stream order alone makes them safe: nothing waits on the host.
 - Tier 2, the kvstore (`--kvstore-addr`): a plan names blocks to fetch for a request the
-  scheduler holds back; one thread fetches them (chunk by chunk into a staging buffer, then onto
-  the device on its own stream), and the result (how many leading blocks arrived, within
-  `--kv-load-timeout-ms`) is reported in a later StepResult. A plan also names blocks its step
-  completes: right behind the forward they are copied to host buffers and saved by a background
-  thread (services/common/kv_saver.py); with no buffer free the save is dropped, never waited for.
+  scheduler holds back; one thread fetches them (on the kvstore's host straight out of the
+  store's memory onto the device, kv_store_io.py; elsewhere chunk by chunk through a staging
+  buffer), and the result (how many leading blocks arrived, within `--kv-load-timeout-ms`) is
+  reported in a later StepResult. A plan also names blocks its step completes: right behind the
+  forward they are gathered on the device, and a background thread (services/common/kv_saver.py)
+  copies them into slots of the store's memory; past `--kv-save-buffer-mb` of saves in flight
+  (device memory on a GPU) a save is dropped, never waited for.
 
 A block's bytes are "L2BHD": for each layer, K then V, [block_size, kv_heads, head_dim] each, in
 the cache's storage dtype; one layer's cache is [2, num_blocks, block_size, kv_heads, head_dim]
@@ -50,33 +52,6 @@ class TierConfig:
     tp_rank: int = 0
 
 
-class _Buffers:
-    """Host buffers of one block each for saves in flight, up to a byte bound (pinned on a GPU:
-    pinning is slow, so they are made in batches once and reused)."""
-
-    def __init__(self, shape: tuple[int, ...], max_blocks: int, pin: bool) -> None:
-        self.shape, self.max_blocks, self.pin = shape, max_blocks, pin
-        self._free: list[torch.Tensor] = []
-        self._made = 0
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> list[torch.Tensor] | None:
-        with self._lock:
-            if len(self._free) < n:
-                grow = min(self.max_blocks - self._made, max(n - len(self._free), 16))
-                if len(self._free) + grow < n:
-                    return None
-                batch = torch.empty((grow, *self.shape), dtype=torch.uint8, pin_memory=self.pin)
-                self._free.extend(batch.unbind(0))
-                self._made += grow
-            out, self._free = self._free[-n:], self._free[:-n]
-            return out
-
-    def give(self, bufs: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._free.extend(bufs)
-
-
 class KvTiers:
     def __init__(self, kv_caches: list[torch.Tensor], block_size: int, cfg: TierConfig, exported=None) -> None:
         self.cfg = cfg
@@ -115,13 +90,15 @@ class KvTiers:
         self._busy = 0                       # fetches queued or running
         self._closed = False
         self._saver = None
-        self._save_bufs = None
+        self.store_io = None
+        self._fetch_staging: torch.Tensor | None = None   # the fetch thread's (copying path)
         self._thread = None
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         if self.namespace is not None:
             from services.common.kv_saver import KvSaver
+            from services.worker.kv_store_io import StoreIO
             self._saver = KvSaver(self.client, max_pending_bytes=max(cfg.save_buffer_bytes, self.block_bytes))
-            self._save_bufs = _Buffers(self.block_shape, max(1, cfg.save_buffer_bytes // self.block_bytes), self.cuda)
+            self.store_io = StoreIO(self.client, self.block_shape, self.device, self.scatter)
         if self.namespace is not None or self.peers is not None:
             self._thread = threading.Thread(target=self._fetch_loop, name="kv-tier-fetch", daemon=True)
             self._thread.start()
@@ -271,11 +248,6 @@ class KvTiers:
         return bool(self._done or self._saved)
 
     def _fetch_loop(self) -> None:
-        per_chunk = max(1, _LOAD_CHUNK_BYTES // self.block_bytes)
-        staging = dests = None
-        if self.namespace is not None:
-            staging = torch.empty((per_chunk, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
-            dests = [b.numpy() for b in staging.unbind(0)]
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
@@ -285,7 +257,7 @@ class KvTiers:
                 job, deadline = self._jobs.popleft()
             t0 = time.perf_counter_ns()
             try:
-                loaded = self._fetch(job, deadline, staging, dests, per_chunk)
+                loaded = self._fetch(job, deadline)
             except Exception:  # noqa: BLE001 - a fetch that fails is recomputed, never an error
                 log.exception("kvstore fetch failed")
                 loaded = 0
@@ -351,14 +323,22 @@ class KvTiers:
         self.stats["direct_blocks"] += len(job.block_ids)
         return len(job.block_ids)
 
-    def _fetch(self, job: TierBlocks, deadline: float, staging, dests, per_chunk: int) -> int:
+    def _fetch(self, job: TierBlocks, deadline: float) -> int:
         if job.peer:
             return self._fetch_direct(job, deadline)
+        zero_copy = self.store_io.load(self.namespace, list(job.block_hashes), list(job.block_ids), deadline)
+        if zero_copy is not None:   # straight out of the store's memory (kv_store_io.py)
+            return zero_copy if time.monotonic() < deadline else 0
+        # Through the client's copies (another host, the Redis backend): chunks of a staging buffer.
+        per_chunk = max(1, _LOAD_CHUNK_BYTES // self.block_bytes)
+        if self._fetch_staging is None:
+            self._fetch_staging = torch.empty((per_chunk, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+        staging = self._fetch_staging
         loaded = 0
         n = len(job.block_ids)
         while loaded < n and time.monotonic() < deadline:
             hashes = job.block_hashes[loaded:loaded + per_chunk]
-            found = self.client.get_into(self.namespace, hashes, dests[:len(hashes)])
+            found = self.client.get_into(self.namespace, hashes, [staging[i].numpy() for i in range(len(hashes))])
             ok = next((i for i, f in enumerate(found) if not f), len(found))
             if ok == 0 or time.monotonic() >= deadline:
                 break   # too late: its bytes are not used (the blocks are recomputed)
@@ -385,28 +365,26 @@ class KvTiers:
             if not t.block_ids:
                 self._saved.append(SaveResult(t.request_id, 0, 0))
                 continue
-            bufs = self._save_bufs.take(len(t.block_ids))
-            if bufs is None:
-                self._saver.dropped += len(t.block_ids)
+            nbytes = len(t.block_ids) * self.block_bytes
+            if self._saver.pending_bytes + nbytes > self._saver.max_pending_bytes:
+                self._saver.dropped += len(t.block_ids)   # the store is slower than the engine
                 self._saved.append(SaveResult(t.request_id, len(t.block_ids), 0))
                 continue
+            # Gathered on the step's stream right behind its forward; the saver's thread copies
+            # it from the device straight into the store's memory (kv_store_io.py).
             data = self.gather(t.block_ids)
-            for j, b in enumerate(bufs):
-                b.copy_(data[j], non_blocking=self.cuda)
             event = None
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record()
-            blocks = [(h, b.numpy()) for h, b in zip(t.block_hashes, bufs)]
+            hashes = list(t.block_hashes)
 
-            def after(kept: int, bufs=bufs, t=t) -> None:
-                self._save_bufs.give(bufs)
+            def put(ns, _blocks, data=data, event=event, hashes=hashes) -> int:
+                return self.store_io.save(ns, hashes, data, event)
+
+            def after(kept: int, t=t) -> None:
                 self._saved.append(SaveResult(t.request_id, len(t.block_ids), kept))
-            if not self._saver.submit(self.namespace, blocks, before=event.synchronize if event else None,
-                                      after=after):
-                if event is not None:
-                    event.synchronize()
-                self._save_bufs.give(bufs)
+            if not self._saver.submit(self.namespace, [(h, None) for h in hashes], after=after, put=put, nbytes=nbytes):
                 self._saved.append(SaveResult(t.request_id, len(t.block_ids), 0))
 
     def refuse_saves(self, saves) -> None:

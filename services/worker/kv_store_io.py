@@ -1,0 +1,194 @@
+"""KV blocks between the worker's cache and the kvstore's own memory, with no copy in between
+(docs/kv_tiers.md, docs/kvstore.md).
+
+On the kvstore's host the client maps the store's block memory (services/common/kv_client.py);
+here that mapping is registered with CUDA once (cudaHostRegister: the GPU's copy engines then
+read and write it as they do pinned memory). A load is then one host-to-device copy per run of
+adjacent blocks, straight out of the store's memory into a device staging buffer, and a scatter
+into the cache; a save one device-to-host copy per run into the slots the store reserved. The
+client verifies (loads) or computes (saves) each block's CRC-32C on its threads while the copies
+run. Where no arena is mapped (the kvstore on another host, or its Redis backend) the client's
+copying calls are used, through host memory.
+
+    io = StoreIO(client, block_shape, device, scatter)
+    n = io.load(namespace, hashes, block_ids, deadline)   # leading blocks loaded; None: no arena
+    kept = io.save(namespace, hashes, data, ready_event)  # data: [n, *block_shape] on the device
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger("meshllm.worker.kv_store_io")
+
+STAGING_BYTES = 64 << 20   # device staging of one load chunk
+
+
+def _address(view) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class ArenaMappings:
+    """The client's arena mappings as uint8 tensors over the same memory, registered with CUDA
+    on a GPU (set as the client's arena hooks)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._lock = threading.Lock()
+        self._maps: dict[int, tuple[int, int, torch.Tensor, bool]] = {}   # id(mm) -> (base, size, tensor, registered)
+
+    def on_map(self, mm) -> None:
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        base, size = int(tensor.data_ptr()), tensor.numel()
+        registered = False
+        if self.cuda:
+            t0 = time.perf_counter()
+            rc = torch.cuda.cudart().cudaHostRegister(base, size, 0)
+            code = int(rc[0] if isinstance(rc, tuple) else rc)
+            registered = code == 0
+            if registered:
+                log.info("kvstore arena of %.2f GiB registered with CUDA in %.0f ms", size / 2**30,
+                         (time.perf_counter() - t0) * 1e3)
+            else:
+                log.warning("kvstore arena: cudaHostRegister failed (error %d): copies go through "
+                            "pageable memory (slower)", code)
+        with self._lock:
+            self._maps[id(mm)] = (base, size, tensor, registered)
+
+    def on_unmap(self, mm) -> None:
+        with self._lock:
+            entry = self._maps.pop(id(mm), None)   # our tensor goes: the client may close the mapping
+        if entry is not None and entry[3]:
+            torch.cuda.synchronize()   # no copy of ours may still use it
+            torch.cuda.cudart().cudaHostUnregister(entry[0])
+
+    def tensor_at(self, addr: int, nbytes: int) -> torch.Tensor | None:
+        """The uint8 tensor over [addr, addr + nbytes) of a mapped arena, or None."""
+        with self._lock:
+            for base, size, tensor, _ in self._maps.values():
+                if base <= addr and addr + nbytes <= base + size:
+                    return tensor[addr - base:addr - base + nbytes]
+        return None
+
+    def tensor(self, view) -> torch.Tensor:
+        """A uint8 tensor over the memory of `view` (a memoryview into a mapped arena)."""
+        t = self.tensor_at(_address(view), len(view))
+        if t is not None:
+            return t
+        # Not a mapping we know (its hook failed): torch over the view itself (a read-only one
+        # is copied: only loads read those).
+        arr = np.frombuffer(view, dtype=np.uint8)
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+    def runs(self, views: list, size: int) -> list[tuple[int, int, torch.Tensor | None]]:
+        """(first index, count, tensor over the whole run or None) for the runs of adjacent
+        `size`-byte blocks of one mapped arena in `views`."""
+        addrs = [_address(v) for v in views]
+        out: list[tuple[int, int, torch.Tensor | None]] = []
+        i = 0
+        while i < len(addrs):
+            j = i + 1
+            while j < len(addrs) and addrs[j] == addrs[j - 1] + size:
+                j += 1
+            whole = self.tensor_at(addrs[i], (j - i) * size)
+            if whole is None:
+                out += [(k, 1, None) for k in range(i, j)]
+            else:
+                out.append((i, j - i, whole))
+            i = j
+        return out
+
+
+class StoreIO:
+    def __init__(self, client, block_shape: tuple[int, ...], device: torch.device,
+                 scatter: Callable[[list[int], torch.Tensor], None]) -> None:
+        self.client = client
+        self.block_shape = block_shape
+        self.block_bytes = int(np.prod(block_shape))
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.scatter = scatter
+        self.per_chunk = max(1, STAGING_BYTES // self.block_bytes)
+        self.maps = ArenaMappings(self.cuda)
+        self._staging: torch.Tensor | None = None          # on the device; the fetch thread's
+        self._load_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._save_stream = torch.cuda.Stream(device) if self.cuda else None
+        client.set_arena_hooks(self.maps.on_map, self.maps.on_unmap)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=self.cuda)
+
+    # ---- loads (the fetch thread) ---------------------------------------------------------
+    def load(self, ns, hashes: list[bytes], block_ids: list[int], deadline: float) -> int | None:
+        """Fill block_ids[i] with the stored block hashes[i]; the number of leading blocks that
+        arrived and verified in time. None: no arena here (the caller uses get_into)."""
+        copied = [0]   # leading blocks copied into the cache
+
+        def consume(start: int, views: list) -> bool:
+            """False ends the load after this chunk (the client pins nothing more)."""
+            if start != copied[0] or time.monotonic() >= deadline:
+                return False   # after a gap, or too late: the rest is recomputed
+            k = next((i for i, v in enumerate(views) if v is None), len(views))
+            for c in range(0, k, self.per_chunk):
+                part = views[c:min(k, c + self.per_chunk)]
+                self._load_chunk(block_ids[start + c:start + c + len(part)], part)
+            copied[0] = start + k
+            return k == len(views)   # nothing after a miss is used
+
+        found = self.client.read_zero_copy(ns, hashes, consume)
+        if found is None:
+            return None
+        verified = next((i for i, f in enumerate(found) if not f), len(found))
+        return min(verified, copied[0])
+
+    def _load_chunk(self, blocks: list[int], views: list) -> None:
+        bb = self.block_bytes
+        if self._staging is None:
+            self._staging = torch.empty((self.per_chunk, *self.block_shape), dtype=torch.uint8, device=self.device)
+        flat = self._staging.view(-1)
+        stream = torch.cuda.stream(self._load_stream) if self.cuda else contextlib.nullcontext()
+        with stream:
+            for first, count, whole in self.maps.runs(views, bb):
+                src = whole if whole is not None else self.maps.tensor(views[first])
+                self._copy(flat[first * bb:(first + count) * bb], src)
+            self.scatter(blocks, self._staging[:len(views)])
+        if self.cuda:
+            self._load_stream.synchronize()   # on the device before the views are released
+
+    # ---- saves (the saver thread) ---------------------------------------------------------
+    def save(self, ns, hashes: list[bytes], data: torch.Tensor, ready=None) -> int:
+        """Save [n, *block_shape] blocks (`ready`: a CUDA event after which `data` holds them).
+        Returns the blocks the store now holds. Never raises."""
+        bb = self.block_bytes
+        if ready is not None and self.cuda:
+            self._save_stream.wait_event(ready)
+        flat = data.reshape(len(hashes), -1)
+
+        def fill(start: int, idx: list[int], views: list) -> None:
+            stream = torch.cuda.stream(self._save_stream) if self.cuda else contextlib.nullcontext()
+            with stream:
+                for first, count, whole in self.maps.runs(views, bb):
+                    rows = idx[first:first + count]
+                    if whole is not None and rows == list(range(rows[0], rows[0] + count)):
+                        self._copy(whole, flat[rows[0]:rows[0] + count].reshape(-1))
+                    else:
+                        for v, i in zip(views[first:first + count], rows):
+                            self._copy(self.maps.tensor(v), flat[i])
+            if self.cuda:
+                self._save_stream.synchronize()
+
+        kept = self.client.write_zero_copy(ns, hashes, fill)
+        if kept is not None:
+            return kept
+        if self.cuda:   # no arena here: through host memory and the client's copying put
+            if ready is not None:
+                ready.synchronize()
+            flat = flat.to("cpu")
+        return self.client.put(ns, [(h, flat[i].numpy()) for i, h in enumerate(hashes)])
+
