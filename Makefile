@@ -9,7 +9,7 @@ serve: setup
 	.venv/bin/meshllm up
 
 test: setup
-	.venv/bin/python -m pytest -q tests/unit tests/integration
+	.venv/bin/python -m pytest -q --durations=30 tests/unit tests/integration
 
 bench: setup
 	.venv/bin/python bench/throughput_cpu.py

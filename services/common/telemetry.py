@@ -329,3 +329,9 @@ def annotate(attributes: dict) -> None:
         span = _sdk.current_span()
         if span is not None:
             span.set_attributes(attributes)
+
+
+def set_attributes(span, attributes: dict) -> None:
+    """Add attributes (counts, ids: never prompt text) to `span` (a no-op for None)."""
+    if span is not None:
+        span.set_attributes(attributes)

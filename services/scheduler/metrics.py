@@ -189,6 +189,9 @@ class _EngineStateCollector:
                                     "or fetch", labels=_LABELS)
         host_blocks = GaugeMetricFamily(PREFIX + "kv_tier_host_blocks", "blocks in the worker's host pool",
                                         labels=_LABELS)
+        direct_failed = CounterMetricFamily(PREFIX + "kv_handoff_direct_failed", "direct hand-offs that did not "
+                                            "arrive whole, by what followed (kvstore: looked up there; recompute; "
+                                            "error: --kv-load-failure-policy fail)", labels=[*_LABELS, "then"])
         for labels, engine in list(self.engines.items()):
             core = getattr(engine, "core", None)
             if core is None:
@@ -211,8 +214,10 @@ class _EngineStateCollector:
             lookups.add_metric(labels, st["kvstore_lookups"])
             loading.add_metric(labels, len(core.lookups) + len(core.loading))
             host_blocks.add_metric(labels, st["host_tier_blocks"])
+            for then in ("kvstore", "recompute", "error"):
+                direct_failed.add_metric([*labels, then], st[f"direct_failed_{then}"])
         return [running, waiting, kv, blocks, queries, hits, preemptions, steps, tier_hits, tier_misses, tier_saved,
-                lookups, loading, host_blocks]
+                lookups, loading, host_blocks, direct_failed]
 
 
 ENGINE_STATE = _EngineStateCollector()

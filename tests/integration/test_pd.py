@@ -22,6 +22,7 @@ import pytest
 
 from services.common import pb
 from tests.integration.meshproc import service_name, start_mesh, stop_checked
+from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.test_kv_tiers import passage
 from tests.integration.test_supervisor_failures import replicas, wait_recovered
 
@@ -47,15 +48,31 @@ def _warm(m) -> None:
 
 @pytest.fixture(scope="module")
 def pd(smollm2_dir):
-    m = _pd_mesh(smollm2_dir, "--kv-lease-s", str(LEASE_S))
-    _warm(m)
-    yield m
-    stop_checked(m, m.seen)
+    """Also traced (a real OTLP receiver) and with the hermes tool-call parser."""
+    rx = OtlpReceiver()
+    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"   # export within 0.1 s of a span's end
+    try:
+        m = _pd_mesh(smollm2_dir, "--kv-lease-s", str(LEASE_S), "--otlp-traces-endpoint", rx.endpoint,
+                     "--tool-call-parser", "hermes")
+    finally:
+        if saved is None:
+            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY")
+        else:
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
+    m.otlp = rx
+    try:
+        _warm(m)
+        yield m
+        stop_checked(m, m.seen)
+    finally:
+        rx.close()
 
 
 @pytest.fixture(scope="module")
 def pd_kvstore(smollm2_dir):
-    m = _pd_mesh(smollm2_dir, "--kv-handoff", "kvstore")
+    """With the deepseek_r1 reasoning parser (chat only; the completions tests see no change)."""
+    m = _pd_mesh(smollm2_dir, "--kv-handoff", "kvstore", "--reasoning-parser", "deepseek_r1")
     _warm(m)   # also: the workers' kvstore clients may have tried the store before it was up
     yield m
     stop_checked(m, m.seen)
@@ -129,7 +146,7 @@ def test_sixteen_concurrent_requests_match_the_colocated_mesh(pd, mesh):
     prompts = [passage(300 + i, 40 + 7 * i) for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
         got = list(ex.map(lambda p: ids(complete(pd, p)), prompts))
-    want = [ids(complete(mesh, p)) for p in prompts]
+        want = list(ex.map(lambda p: ids(complete(mesh, p)), prompts))   # batched there too
     assert got == want
 
 
@@ -170,6 +187,73 @@ def test_structured_output_continues_its_grammar_on_the_decode_engine(pd, mesh):
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
 
 
+def test_one_trace_holds_the_prefill_the_hand_off_and_the_decode(pd):
+    out = complete(pd, passage(520, 90))
+    rid = out["id"]
+
+    def done(spans) -> bool:
+        mine = [s for s in spans if s.attributes.get("meshllm.request_id") == rid]
+        names = [s.name for s in mine]
+        if names.count("scheduler.request") < 2 or "gateway.kv_handoff" not in names:
+            return False
+        trace = [s for s in spans if s.trace_id == mine[0].trace_id]
+        return "kv.load" in {s.name for s in trace} and any(s.parent_span_id == "" for s in trace)
+    pd.otlp.wait_for(done, 30)
+    tid = next(s.trace_id for s in pd.otlp.spans if s.attributes.get("meshllm.request_id") == rid)
+    spans = pd.otlp.trace(tid)
+    [root] = [s for s in spans if s.parent_span_id == ""]
+    assert root.service == "meshllm-gateway"
+    [handoff] = [s for s in spans if s.name == "gateway.kv_handoff"]
+    scheds = sorted((s for s in spans if s.name == "scheduler.request"), key=lambda s: s.start_ns)
+    assert len(scheds) == 2 and all(s.parent_span_id == root.span_id for s in scheds)
+    prefill, decode = scheds
+    by_parent = {}
+    for s in spans:
+        by_parent.setdefault(s.parent_span_id, set()).add(s.name)
+    assert "worker.prefill" in by_parent[prefill.span_id] and "kv.load" in by_parent[decode.span_id]
+    [kv_load] = [s for s in spans if s.name == "kv.load" and s.parent_span_id == decode.span_id]
+    n = out["usage"]["prompt_tokens"]
+    assert kv_load.attributes["meshllm.kv.blocks_loaded"] == (n - 1) // 16
+    # The hand-off: under the request's root, from the prefill engine's end to the decode
+    # engine's first output, with what was moved and how.
+    assert handoff.parent_span_id == root.span_id
+    assert handoff.attributes["meshllm.kv.handoff_outcome"] == "direct"
+    assert handoff.attributes["meshllm.kv.blocks"] == (n - 1) // 16
+    assert (handoff.attributes["meshllm.prefill_replica"], handoff.attributes["meshllm.decode_replica"]) == (
+        "engine-0", "engine-1")
+    assert prefill.start_ns <= handoff.start_ns <= decode.start_ns <= handoff.end_ns <= root.end_ns
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SHOT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOL_MESSAGES = [
+    {"role": "system", "content": "You call tools. To get weather, answer ONLY with a tool call like:\n" + SHOT},
+    {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": SHOT},
+    {"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_the_tool_call_parser_works_across_the_hand_off(pd):
+    """The call's first token comes from the prefill engine, the rest from the decode engine."""
+    body = {"model": pd.model_name, "messages": TOOL_MESSAGES, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
+    whole = httpx.post(f"{pd.http_url}/v1/chat/completions", json=body, timeout=180).json()
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # it was handed over
+    name = args = ""
+    with httpx.stream("POST", f"{pd.http_url}/v1/chat/completions", json={**body, "stream": True}, timeout=180) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    for tc in c["delta"].get("tool_calls") or []:
+                        name += tc.get("function", {}).get("name") or ""
+                        args += tc.get("function", {}).get("arguments") or ""
+    assert name == "get_weather" and json.loads(args) == {"city": "Paris"}
+
+
 def test_timing_has_the_kv_transfer_and_clients_cannot_pass_transfer_parameters(pd):
     body = complete(pd, passage(500, 120), return_timing=True)
     timing = body["timing"]
@@ -195,9 +279,18 @@ def test_a_client_leaving_during_the_hand_off_leaves_both_engines_idle(pd):
         time.sleep(0.2)
 
 
-def test_a_decode_engine_too_late_for_its_lease_recomputes_and_the_blocks_are_freed(pd, mesh):
+def direct_failed(m, then: str) -> float:
+    """The decode engine's scheduler: direct hand-offs that did not arrive, by what followed."""
+    [url] = [u for name, u in metric_urls(m) if name == "scheduler-1"]
+    text = httpx.get(url, timeout=10).text
+    return sum(float(v) for labels, v in re.findall(r'^meshllm:kv_handoff_direct_failed_total\{([^}]*)\} (\S+)$',
+                                                    text, re.M) if f'then="{then}"' in labels)
+
+
+def test_a_decode_engine_too_late_for_its_lease_loads_from_the_kvstore_and_the_blocks_are_freed(pd, mesh):
     p = passage(650, 200)
     want = ids(complete(mesh, p))
+    before = direct_failed(pd, "kvstore")
     decode = replicas(pd)["engine-1"]
     worker = next(pid for pid in decode.pids if service_name(pid) == "worker")
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
@@ -215,7 +308,11 @@ def test_a_decode_engine_too_late_for_its_lease_recomputes_and_the_blocks_are_fr
             os.kill(worker, signal.SIGCONT)
         got = fut.result(timeout=120)
     assert ids(got) == want
-    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0   # the copy was refused: recomputed
+    # The copy was refused (too late): the decode engine looked the prompt up in the kvstore,
+    # where the prefill engine had saved its full blocks, and computed only the last one.
+    n = got["usage"]["prompt_tokens"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert direct_failed(pd, "kvstore") - before == 1
 
 
 def test_the_prefill_engine_killed_during_a_long_prefill_still_completes(pd, mesh):
@@ -245,3 +342,27 @@ def test_the_kvstore_killed_makes_the_decode_engine_recompute_with_the_same_outp
         assert ids(complete(pd_kvstore, p)) == ids(complete(mesh, p))
     wait_recovered(pd_kvstore, "kvstore-0", kv.restarts)
     pd_kvstore.seen |= set(pd_kvstore.service_pids())
+
+
+def test_the_reasoning_parser_works_across_the_hand_off(pd_kvstore, mesh):
+    """deepseek_r1 without a closing </think>: everything is reasoning, whole and streamed, and
+    it is the text the colocated mesh generates for the same prompt."""
+    body = {"messages": [{"role": "user", "content": passage(900, 40) + " Hello"}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(f"{pd_kvstore.http_url}/v1/chat/completions", json={"model": pd_kvstore.model_name, **body},
+                       timeout=180).json()
+    msg = whole["choices"][0]["message"]
+    assert msg["reasoning_content"] and msg["content"] in ("", None)
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    want = httpx.post(f"{mesh.http_url}/v1/chat/completions", json={"model": mesh.model_name, **body},
+                      timeout=180).json()["choices"][0]["message"]["content"]
+    assert msg["reasoning_content"] == want
+    streamed = ""
+    with httpx.stream("POST", f"{pd_kvstore.http_url}/v1/chat/completions",
+                      json={"model": pd_kvstore.model_name, **body, "stream": True}, timeout=180) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += c["delta"].get("reasoning_content") or ""
+                    assert not c["delta"].get("content")
+    assert streamed == want

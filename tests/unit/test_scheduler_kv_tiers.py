@@ -290,3 +290,61 @@ def test_dropped_saves_hand_off_nothing_and_a_failing_policy_fails_the_decode():
     dec.add_request(r2)
     outs, reasons, _ = drive(dec, SavingWorker({}))
     assert reasons["b"] == "error" and dec.pool.num_free == 64
+
+
+class DeadPeerWorker(SavingWorker):
+    """Direct hand-offs never arrive (the peer is unreachable); kvstore fetches work."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.loads: list[tuple[str, int]] = []   # (peer, blocks) of every load planned
+
+    def run(self, plan):
+        self.loads += [(t.peer, len(t.block_ids)) for t in plan.tier_loads]
+        direct = [t for t in plan.tier_loads if t.peer]
+        plan.tier_loads = [t for t in plan.tier_loads if not t.peer]
+        result = super().run(plan)
+        self._reports += [Loaded(t.request_id, 0, len(t.block_ids)) for t in direct]
+        return result
+
+
+def _drive_with_lookups(s, w, store, rid):
+    outs, plans = [], []
+    for _ in range(100):
+        answer_lookups(s, store)
+        if not s.has_work():
+            break
+        plan = s.schedule()
+        plans.append(plan)
+        outs += [t for o in s.update(plan, w.run(plan)) if o.request_id == rid for t in o.new_token_ids]
+    return outs, plans
+
+
+def test_a_direct_hand_off_that_fails_is_fetched_from_the_kvstore_or_recomputed():
+    store: dict = {}
+    p = prompt(23, 45)                                   # 11 full blocks + 1
+    want = solo(p, 6)
+    pre = make(kv_tier=True)
+    run_one(pre, SavingWorker(store), "a", p, max_tokens=1, store=store)   # the prefill engine's saves
+    assert len(store) == 11
+    for kv_tier in (True, False):
+        dec = make(kv_tier=kv_tier)
+        r = Request("c", list(p), 6)
+        r.append_output(want[0])
+        r.handoff, r.kv_tier_blocks = True, 11
+        r.peer, r.src_block_ids = "127.0.0.1:1", list(range(11))
+        dec.add_request(r)
+        w = DeadPeerWorker(store)
+        outs, plans = _drive_with_lookups(dec, w, store, "c")
+        assert [want[0], *outs] == want
+        loads = w.loads
+        assert loads[0] == ("127.0.0.1:1", 11)                      # the direct copy, which failed
+        if kv_tier:   # ... then the kvstore, which has the prefill engine's saves
+            assert loads[1:] == [("", 11)]
+            assert dec.tier_stats["direct_failed_kvstore"] == 1 and dec.tier_stats["kvstore_loaded_blocks"] == 11
+            computed = [x.num_computed_tokens for pl in plans for x in pl.new_requests if x.request_id == "c"]
+            assert computed[-1] == 44
+        else:         # no kvstore: recomputed
+            assert len(loads) == 1 and dec.tier_stats["direct_failed_recompute"] == 1
+        assert not dec.requests and not dec.lookups and not dec.loading
+        check_invariants(dec)

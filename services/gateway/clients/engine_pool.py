@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.gateway.clients.engine_stream import EngineClient
 from services.gateway.clients.request_handle import RequestHandle
 from services.gateway.errors import ApiError
@@ -233,8 +233,10 @@ class EnginePool:
             by_id, loads = self._routable_loads(role)
             for load in sorted(loads, key=lambda x: x.outstanding_tokens):
                 if by_id[load.replica_id].client.continue_request(handle, sub):
-                    self._count_handoff((("direct" if direct else "kvstore") if blocks else "recompute")
-                                        if role else "colocated_fallback")
+                    outcome = (("direct" if direct else "kvstore") if blocks else "recompute") if role \
+                        else "colocated_fallback"
+                    self._count_handoff(outcome)
+                    telemetry.set_attributes(handle.handoff_span, {"meshllm.kv.handoff_outcome": outcome})
                     return True
         self._count_handoff("no_engine")
         handle.release_now()

@@ -140,6 +140,13 @@ class EngineClient:
         self._release(handle)
         handle.prefill_phase = False
         result, handle.handoff = handle.handoff, None
+        trace = handle.submit_msg.trace
+        if trace.traceparent:   # one span of the request's trace from here to the decode engine's first output
+            handle.handoff_span = telemetry.start_span(
+                "gateway.kv_handoff", traceparent=trace.traceparent, tracestate=trace.tracestate,
+                attributes={"meshllm.request_id": rid, "meshllm.prefill_replica": self.replica_id,
+                            "meshllm.kv.blocks": result.num_kv_blocks if result is not None else 0,
+                            "meshllm.kv.direct": bool(result is not None and result.peer)})
         if result is not None and result.peer:
             # A direct hand-off: the prefill engine holds the blocks until told the decode engine
             # has them (its first output) or the request ended; then its lease is released here.

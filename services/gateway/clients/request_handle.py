@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common import pb
+from services.common import pb, telemetry
 from services.gateway.errors import ApiError
 from services.gateway.openai.finish import finish_of_output
 from services.gateway.openai.prompt_logprobs import string_ids
@@ -86,6 +86,7 @@ class RequestHandle:
         self.handoff = None                   # pb.engine.KvHandoffResult once the prefill engine is done
         self.generated_ids: list[int] = []
         self.release_lease = None             # direct hand-off: frees the prefill engine's blocks (once)
+        self.handoff_span = None              # gateway.kv_handoff: prefill engine done -> decode's first output
         self._client = client
         self._prefix = list(submit_msg.prompt_token_ids[-DETOKENIZE_PREFIX_TOKENS:])
         self._skip_special = sampling.skip_special_tokens
@@ -194,8 +195,11 @@ class RequestHandle:
         self.num_completion_tokens += len(out.new_token_ids)
         if self.prefill_phase:
             self.generated_ids.extend(out.new_token_ids)
-        elif self.release_lease is not None:   # the decode engine's first output: it has the blocks
-            self.release_now()
+        else:
+            if self.release_lease is not None:   # the decode engine's first output: it has the blocks
+                self.release_now()
+            if self.handoff_span is not None:
+                self.end_handoff_span()
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         matcher = self._matcher
         text = matcher.feed(text)
@@ -209,9 +213,15 @@ class RequestHandle:
                          list(out.logprobs), self.num_cached_tokens, token_strings or {},
                          list(out.prompt_logprobs) if out.prompt_logprobs else []))
 
+    def end_handoff_span(self, error: str | None = None) -> None:
+        span, self.handoff_span = self.handoff_span, None
+        telemetry.end_span(span, error=error, attributes={"meshllm.decode_replica": self.replica_id})
+
     def fail(self, error: ApiError) -> None:
         """End the reader's stream with `error` (nothing, if it has ended already)."""
         self.release_now()
+        if self.handoff_span is not None:
+            self.end_handoff_span(error.message)
         self._push(Delta("", [], error=error))
 
     def _push(self, delta: Delta) -> None:

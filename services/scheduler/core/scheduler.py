@@ -86,7 +86,9 @@ class Scheduler:
         self.export_addr = export_addr
         self.leases: dict[str, Request] = {}
         self.tier_stats = {"host_hit_blocks": 0, "kvstore_lookups": 0, "kvstore_found_blocks": 0,
-                           "kvstore_loaded_blocks": 0, "kvstore_failed_blocks": 0, "kvstore_saved_blocks": 0}
+                           "kvstore_loaded_blocks": 0, "kvstore_failed_blocks": 0, "kvstore_saved_blocks": 0,
+                           # direct hand-offs that did not arrive whole, by what followed
+                           "direct_failed_kvstore": 0, "direct_failed_recompute": 0, "direct_failed_error": 0}
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, req: Request) -> str | None:
@@ -335,7 +337,7 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_planned_tokens:
                 req.num_inflight_tokens += 1   # this step samples a token
-            if self.kv_tier and not (req.prefill_only and self.export_addr):   # direct: nothing to save
+            if self.kv_tier:   # direct hand-offs too: the decode side's fallback (_direct_to_kvstore)
                 self._plan_save(plan, req)
         return plan
 
@@ -373,9 +375,15 @@ class Scheduler:
                 continue
             start, count = req.tier_load
             ok = max(0, min(r.num_loaded, count))
+            if req.peer and ok < count and self.kv_tier and not req.wants_prompt_logprobs:
+                self._direct_to_kvstore(req)
+                continue
             self.tier_stats["kvstore_loaded_blocks"] += ok
             self.tier_stats["kvstore_failed_blocks"] += count - ok
-            if ok < count and req.handoff and self.config.kv_load_failure_policy == "fail":
+            fail = ok < count and req.handoff and self.config.kv_load_failure_policy == "fail"
+            if req.peer and ok < count:
+                self.tier_stats["direct_failed_error" if fail else "direct_failed_recompute"] += 1
+            if fail:
                 self.requests.pop(req.request_id, None)
                 req.status = RequestStatus.FINISHED
                 self.kv.free(req)
@@ -391,6 +399,25 @@ class Scheduler:
                 req.num_cached_prompt_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+
+    def _direct_to_kvstore(self, req: Request) -> None:
+        """A direct hand-off that did not arrive whole (the peer unreachable, its lease over):
+        what the prefill engine saved to the kvstore is looked up there instead (docs/pd.md),
+        and what is not found there is recomputed. Its blocks are dropped (none is cached yet)
+        and it starts over as a lookup, as a preempted request would."""
+        self.tier_stats["direct_failed_kvstore"] += 1
+        self.kv.free(req)
+        req.num_blocks_sent = 0
+        req.num_computed_tokens = 0
+        req.peer, req.src_block_ids, req.lease_deadline_ns = "", [], 0
+        req.kv_tier_blocks = -1
+        if req.worker_has_state:
+            self._pending_finished_ids.append(req.request_id)
+            req.worker_has_state = False
+        req.status = RequestStatus.LOOKUP
+        self.lookups[req.request_id] = req
+        self.lookup_outbox.append((req.request_id, self.kv.prompt_hashes(req)))
+        self.tier_stats["kvstore_lookups"] += 1
 
     # ---- results ------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -486,7 +513,7 @@ class Scheduler:
                 req.saves_broken = True
             elif not req.saves_broken:
                 req.saved_blocks += r.num_blocks
-            if not req.pending_saves and req.status is RequestStatus.HANDOFF:
+            if not req.pending_saves and req.request_id in self.handoffs:   # not a direct one's lease
                 self._end_handoff(req, self._pending_outputs)
 
     def _append_tokens(self, req: Request, s, finish: bool = True) -> RequestOutput:
