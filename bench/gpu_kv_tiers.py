@@ -92,13 +92,14 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--chunk-mb", type=int, default=0, help="the kvstore client's zero-copy chunk (0: its default)")
     args = ap.parse_args()
     n_blocks = args.prompt_len // BS
     model = build_model(llama31_8b_config(), max_len=args.prompt_len + 1024)
     runner = kv_runner(model, 24.0, None)
     kv_proc, addr = start_kvstore(capacity_gb=3.0)
     try:
-        client = KvClient(addr, timeout_s=10.0)
+        client = KvClient(addr, timeout_s=10.0, **({"chunk_bytes": args.chunk_mb << 20} if args.chunk_mb else {}))
 
         def make_ns(block_size: int, block_bytes: int):
             return kv_pb2.KvNamespace(model_id="bench-8b", weights_fingerprint="random-seed-0", dtype="bfloat16",
@@ -186,6 +187,8 @@ def main() -> int:
                          "kvstore_blocks_stored": stored, "first_token_recompute": first_token,
                          "first_tokens_after_loads": firsts}
         out["kvstore_stats"] = str(client.stats()).replace("\n", " ")[:2000]
+        if tiers.store_io is not None:   # seconds in the worker's own copies vs whole zero-copy calls
+            out["store_io_stats"] = dict(tiers.store_io.stats)
         print(json.dumps({k: v for k, v in out.items() if k != "kvstore_stats"}, indent=1), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

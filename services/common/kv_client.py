@@ -20,6 +20,7 @@ it is lost return at once (a miss) until the next retry time: no per-call timeou
 Thread-safe: zero-copy transfers of many threads run at once; a window carries one at a time."""
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -53,6 +54,7 @@ SECONDS = Histogram(PREFIX + "kv_tier_transfer_seconds", "one load or save call,
 GBPS = Gauge(PREFIX + "kv_tier_last_gbps", "GB/s of the last load or save call", ["tier", "direction"])
 AVAILABLE = Gauge(PREFIX + "kv_tier_available", "1 while the tier answers, 0 once it is lost", ["tier"])
 TIER = "kvstore"
+_COMMITS_IN_FLIGHT = 2   # a save's chunk k-1 and k checksummed and committed while k+1 is filled
 
 Block = tuple[bytes, object]   # (block hash, bytes-like of namespace.block_bytes bytes)
 Consume = Callable[[int, list], None]              # consume(start, views): views[i] is block start+i
@@ -177,7 +179,8 @@ class KvClient:
         # crc32c release the GIL); a zero-copy write's commits run beside the next chunk's fill.
         self._copies = ThreadPoolExecutor(copy_threads or min(8, os.cpu_count() or 1),
                                           thread_name_prefix="kv-client-copy")
-        self._commits = ThreadPoolExecutor(2, thread_name_prefix="kv-client-commit")
+        self._commits = ThreadPoolExecutor(_COMMITS_IN_FLIGHT, thread_name_prefix="kv-client-commit")
+        self._rpcs = ThreadPoolExecutor(2, thread_name_prefix="kv-client-rpc")   # reads' pins ahead, releases
         AVAILABLE.labels(TIER).set(1)
 
     # ---- availability ------------------------------------------------------------------
@@ -493,7 +496,7 @@ class KvClient:
         return self._leased(lambda arena, lease: self._write_chunks(ns, hashes, fill, arena, lease))
 
     def _write_chunks(self, ns, hashes: list[bytes], fill, arena: _Arena, lease: int):
-        kept, pending = 0, None
+        kept, pending = 0, collections.deque()   # commits in flight, at most _COMMITS_IN_FLIGHT
         try:
             step = self._step(ns)
             for i in range(0, len(hashes), step):
@@ -525,17 +528,16 @@ class KvClient:
                         failed = True
                 elif resp.reserve_id:
                     failed = True             # a store answer we cannot use: give the slots back
-                if pending is not None:
-                    kept += pending.result()
-                    pending = None
+                while len(pending) >= _COMMITS_IN_FLIGHT:
+                    kept += pending.popleft().result()
                 if resp.reserve_id:
-                    pending = self._commits.submit(self._commit, lease, resp.reserve_id, slots, crcs, failed,
-                                                   reserved_at)
+                    pending.append(self._commits.submit(self._commit, lease, resp.reserve_id, slots, crcs, failed,
+                                                        reserved_at))
                 if failed:
                     break
         finally:
-            if pending is not None:
-                kept += pending.result()
+            while pending:
+                kept += pending.popleft().result()
         return kept
 
     def _commit(self, lease: int, reserve_id: int, slots: list, crcs, abort: bool, reserved_at: float) -> int:
@@ -670,29 +672,65 @@ class KvClient:
         return self._leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease, stop))
 
     def _read_chunks(self, ns, hashes: list[bytes], handle, arena: _Arena, lease: int, stop):
+        """Chunk k+1 is pinned (on a helper thread) while chunk k is consumed and verified, and
+        chunk k is released in the background: the store's round trips overlap the copies."""
         found = [False] * len(hashes)
         step = self._step(ns)
-        for i in range(0, len(hashes), step):
-            chunk = hashes[i:i + step]
-            ok = self._read_chunk(ns, chunk, i, arena, lease, handle)
-            if ok is None:
-                return _LEASE_REFUSED if i == 0 and self._refused_lease(lease) else found
-            found[i:i + len(ok)] = ok
-            if len(ok) < len(chunk) or stop[0] or self._skip():
-                break   # the store lost, or the caller's consume failed or had enough
+        starts = list(range(0, len(hashes), step))
+        if not starts:
+            return found
+
+        def pin(i: int):
+            return self._pin_chunk(ns, hashes[i:i + step], lease)
+        ahead = self._rpcs.submit(pin, starts[0])
+        releases = []
+        try:
+            for k, i in enumerate(starts):
+                pinned, ahead = ahead.result(), None
+                if pinned is not None and k and not all(m.block_hash for m in pinned[0].blocks):
+                    # Pinned ahead with the previous chunk still held, a block on disk may have
+                    # found no room in memory: once that chunk is given back, pin it again.
+                    if pinned[0].read_id:
+                        self._release_read(ns, lease, pinned[0].read_id, [])
+                    for f in releases:
+                        f.result()
+                    pinned = pin(i)
+                if pinned is not None and k + 1 < len(starts):
+                    ahead = self._rpcs.submit(pin, starts[k + 1])
+                if pinned is None:
+                    return _LEASE_REFUSED if i == 0 and self._refused_lease(lease) else found
+                chunk = hashes[i:i + step]
+                ok, release = self._use_chunk(ns, chunk, i, arena, lease, handle, *pinned)
+                if release is not None:
+                    releases.append(self._rpcs.submit(release))
+                found[i:i + len(ok)] = ok
+                if len(ok) < len(chunk) or stop[0] or self._skip():
+                    break   # the store lost, or the caller's consume failed or had enough
+        finally:
+            if ahead is not None:   # pinned for nothing: given back
+                pinned = ahead.result()
+                if pinned is not None and pinned[0].read_id:
+                    self._release_read(ns, lease, pinned[0].read_id, [])
+            for f in releases:
+                f.result()
         return found
 
-    def _read_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int,
-                    handle) -> list[bool] | None:
-        """Found-and-verified per block of the chunk; shorter than the chunk: stop here; None:
-        the Pin failed."""
-        nbytes = len(chunk) * ns.block_bytes
+    def _pin_chunk(self, ns, chunk: list[bytes], lease: int):
+        """(PinResponse, when it came) or None: the Pin failed."""
         resp = self._call(self._stub.Pin, kv_pb2.PinRequest(namespace=ns, block_hashes=chunk,
                                                             lease=kv_pb2.ShmWindow(lease_id=lease)),
-                          self._deadline(nbytes))
-        if resp is None:
-            return None
-        pinned_at = time.monotonic()
+                          self._deadline(len(chunk) * ns.block_bytes))
+        return None if resp is None else (resp, time.monotonic())
+
+    def _release_read(self, ns, lease: int, read_id: int, corrupt: list[int]) -> None:
+        self._call(self._stub.Release, kv_pb2.ReleaseRequest(lease=kv_pb2.ShmWindow(lease_id=lease),
+                                                             read_id=read_id, corrupt=corrupt),
+                   self._deadline(len(corrupt) * ns.block_bytes))
+
+    def _use_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int, handle,
+                   resp, pinned_at: float):
+        """(found-and-verified per block of the chunk, shorter than the chunk: stop here; the
+        release to run, or None)."""
         metas = list(resp.blocks)
         if len(metas) != len(chunk):
             metas = []   # an answer we cannot use: misses (and the pins given back)
@@ -709,14 +747,13 @@ class KvClient:
                 _release(v)
         # Pins held past half the lease's life may have been taken back: never trust those bytes.
         late = time.monotonic() - pinned_at > self._lease_ttl_s / 2
+        release = None
         if resp.read_id:
             corrupt = [j for j, ok in enumerate(verified) if ok is False] if not late else []
-            self._call(self._stub.Release, kv_pb2.ReleaseRequest(lease=kv_pb2.ShmWindow(lease_id=lease),
-                                                                 read_id=resp.read_id, corrupt=corrupt),
-                       self._deadline(len(corrupt) * ns.block_bytes))
+            release = lambda: self._release_read(ns, lease, resp.read_id, corrupt)  # noqa: E731
         if failed:
-            return []   # shorter than the chunk: the load ends here
-        return [bool(v) and not late for v in verified] + [False] * (len(chunk) - len(verified))
+            return [], release   # shorter than the chunk: the load ends here
+        return [bool(v) and not late for v in verified] + [False] * (len(chunk) - len(verified)), release
 
     def _get_chunk(self, ns, hashes, dests, found: list[bool], base: int, window: _Window | None) -> None:
         nbytes = len(hashes) * ns.block_bytes
@@ -780,6 +817,7 @@ class KvClient:
         self._channel.close()
         self._copies.shutdown(wait=False)
         self._commits.shutdown(wait=False)
+        self._rpcs.shutdown(wait=False)
 
 
 _LEASE_REFUSED = object()   # a zero-copy transfer's first call: the store does not know our lease

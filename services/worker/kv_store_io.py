@@ -16,6 +16,7 @@ copying calls are used, through host memory.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -116,8 +117,11 @@ class StoreIO:
         self.scatter = scatter
         self.per_chunk = max(1, STAGING_BYTES // self.block_bytes)
         self.maps = ArenaMappings(self.cuda)
-        self._staging: torch.Tensor | None = None          # on the device; the fetch thread's
+        self.stats = collections.Counter()   # seconds in our copies vs whole calls (bench/gpu_kv_tiers.py)
+        self._staging: list[torch.Tensor] | None = None    # on the device; the fetch thread's
         self._load_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._scatter_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._scattered: list = []            # per staging buffer: its last scatter's event
         self._save_stream = torch.cuda.Stream(device) if self.cuda else None
         client.set_arena_hooks(self.maps.on_map, self.maps.on_unmap)
 
@@ -135,31 +139,64 @@ class StoreIO:
             if start != copied[0] or time.monotonic() >= deadline:
                 return False   # after a gap, or too late: the rest is recomputed
             k = next((i for i, v in enumerate(views) if v is None), len(views))
-            for c in range(0, k, self.per_chunk):
-                part = views[c:min(k, c + self.per_chunk)]
-                self._load_chunk(block_ids[start + c:start + c + len(part)], part)
+            if k:
+                self._load_chunk(block_ids[start:start + k], views[:k])
             copied[0] = start + k
             return k == len(views)   # nothing after a miss is used
 
+        t0 = time.perf_counter()
         found = self.client.read_zero_copy(ns, hashes, consume)
         if found is None:
             return None
+        self.stats["load_s"] += time.perf_counter() - t0
         verified = next((i for i, f in enumerate(found) if not f), len(found))
         return min(verified, copied[0])
 
     def _load_chunk(self, blocks: list[int], views: list) -> None:
-        bb = self.block_bytes
+        t0 = time.perf_counter()
+        try:
+            self._copy_in(blocks, views)
+        finally:
+            self.stats["load_copy_s"] += time.perf_counter() - t0
+            self.stats["load_chunks"] += 1
+
+    def _copy_in(self, blocks: list[int], views: list) -> None:
+        """Staging chunk by chunk: on a GPU two staging buffers alternate, so the copies into one
+        run (the load stream) while the other is scattered into the cache (the scatter stream);
+        complete on return."""
+        bb, per = self.block_bytes, self.per_chunk
         if self._staging is None:
-            self._staging = torch.empty((self.per_chunk, *self.block_shape), dtype=torch.uint8, device=self.device)
-        flat = self._staging.view(-1)
-        stream = torch.cuda.stream(self._load_stream) if self.cuda else contextlib.nullcontext()
-        with stream:
-            for first, count, whole in self.maps.runs(views, bb):
-                src = whole if whole is not None else self.maps.tensor(views[first])
-                self._copy(flat[first * bb:(first + count) * bb], src)
-            self.scatter(blocks, self._staging[:len(views)])
-        if self.cuda:
-            self._load_stream.synchronize()   # on the device before the views are released
+            n = 2 if self.cuda else 1
+            self._staging = [torch.empty((per, *self.block_shape), dtype=torch.uint8, device=self.device)
+                             for _ in range(n)]
+            self._scattered = [None] * n
+        if not self.cuda:
+            flat = self._staging[0].view(-1)
+            for c in range(0, len(views), per):
+                part = views[c:c + per]
+                for j, v in enumerate(part):
+                    flat[j * bb:(j + 1) * bb].copy_(self.maps.tensor(v))
+                self.scatter(blocks[c:c + len(part)], self._staging[0][:len(part)])
+            return
+        for k, c in enumerate(range(0, len(views), per)):
+            part, b = views[c:c + per], k % 2
+            staging, flat = self._staging[b], self._staging[b].view(-1)
+            with torch.cuda.stream(self._load_stream):
+                if self._scattered[b] is not None:
+                    self._load_stream.wait_event(self._scattered[b])   # its last scatter read it
+                for first, count, whole in self.maps.runs(part, bb):
+                    src = whole if whole is not None else self.maps.tensor(part[first])
+                    flat[first * bb:(first + count) * bb].copy_(src, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            idx = torch.tensor(blocks[c:c + len(part)], dtype=torch.long).pin_memory()
+            with torch.cuda.stream(self._scatter_stream):
+                self._scatter_stream.wait_event(copied)
+                self.scatter(idx.to(self.device, non_blocking=True), staging[:len(part)])
+                self._scattered[b] = torch.cuda.Event()
+                self._scattered[b].record()
+        self._load_stream.synchronize()    # every copy out of the views is done before they go
+        self._scatter_stream.synchronize()
 
     # ---- saves (the saver thread) ---------------------------------------------------------
     def save(self, ns, hashes: list[bytes], data: torch.Tensor, ready=None) -> int:
@@ -171,6 +208,7 @@ class StoreIO:
         flat = data.reshape(len(hashes), -1)
 
         def fill(start: int, idx: list[int], views: list) -> None:
+            t0 = time.perf_counter()
             stream = torch.cuda.stream(self._save_stream) if self.cuda else contextlib.nullcontext()
             with stream:
                 for first, count, whole in self.maps.runs(views, bb):
@@ -182,8 +220,11 @@ class StoreIO:
                             self._copy(self.maps.tensor(v), flat[i])
             if self.cuda:
                 self._save_stream.synchronize()
+            self.stats["save_copy_s"] += time.perf_counter() - t0
 
+        t0 = time.perf_counter()
         kept = self.client.write_zero_copy(ns, hashes, fill)
+        self.stats["save_s"] += time.perf_counter() - t0
         if kept is not None:
             return kept
         if self.cuda:   # no arena here: through host memory and the client's copying put

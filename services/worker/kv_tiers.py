@@ -138,9 +138,10 @@ class KvTiers:
         return out.view(torch.uint8).view(n, *self.block_shape)
 
     def scatter(self, block_ids, src: torch.Tensor) -> None:
-        """Write [n, *block_shape] (on the device) into the blocks."""
-        idx = self._index(block_ids)
-        n, two = len(block_ids), self.block_shape[1]
+        """Write [n, *block_shape] (on the device) into the blocks (ids: a list, or a long tensor
+        on the device)."""
+        idx = block_ids if isinstance(block_ids, torch.Tensor) else self._index(block_ids)
+        n, two = len(idx), self.block_shape[1]
         words = src.contiguous().view(n, len(self.rows), two, -1).view(torch.int64)
         for layer, r in enumerate(self.rows):
             r.index_copy_(1, idx, words[:, layer].transpose(0, 1))

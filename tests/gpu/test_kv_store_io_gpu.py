@@ -1,0 +1,69 @@
+"""CUDA only: kvstore saves and loads straight between the device and a real kvstore's memory
+(services/worker/kv_store_io.py): the client's arena mapping is registered with CUDA, the saved
+bytes equal the cache's, and a load into other blocks brings them back bit for bit (the CPU
+twin is tests/unit/test_worker_kv_tiers.py's ArenaStore case)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_device_to_store_and_back_through_the_registered_arena(tmp_path):
+    from services.common.kv_blocks import kv_pb2
+    from services.common.kv_client import KvClient
+    from services.common.ports import free_port
+    from services.worker.kv_tiers import LAYOUT, KvTiers, TierConfig
+    from services.worker.plan import TierBlocks
+
+    port = free_port()
+    log = open(tmp_path / "kvstore.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--port", str(port), "--capacity-gb", "0.5"],
+                            cwd=ROOT, stdout=log, stderr=log)
+    client = None
+    try:
+        client = KvClient(f"127.0.0.1:{port}", timeout_s=10.0)
+        deadline = time.monotonic() + 60
+        while client.stats() is None:
+            assert proc.poll() is None and time.monotonic() < deadline, open(tmp_path / "kvstore.log").read()[-2000:]
+            time.sleep(0.2)
+        layers, blocks, bs, kvh, hd = 4, 64, 16, 8, 128
+        caches = [torch.randn((2, blocks, bs, kvh, hd), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+
+        def ns(block_size: int, block_bytes: int):
+            return kv_pb2.KvNamespace(model_id="gpu-test", weights_fingerprint="x", dtype="bfloat16",
+                                      kv_cache_dtype="bfloat16", block_size=block_size, num_layers=layers,
+                                      tp_size=1, tp_rank=0, block_bytes=block_bytes, layout=LAYOUT)
+        tiers = KvTiers(caches, bs, TierConfig(client=client, make_namespace=ns, load_timeout_s=30.0))
+        src, dst = list(range(1, 21)), list(range(30, 50))
+        hashes = [i.to_bytes(4, "little") + b"gpu" for i in src]
+        tiers.save([TierBlocks("s", src, hashes)])
+        assert tiers.flush_saves(60.0)
+        [saved] = tiers.take_saves()
+        assert saved.num_saved == len(src)
+        assert client.transport == "arena"
+        maps = list(tiers.store_io.maps._maps.values())
+        assert maps and all(registered for _, _, _, registered in maps)   # cudaHostRegister took it
+        tiers.start_loads([TierBlocks("l", dst, hashes)])
+        got = []
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            got = tiers.take_loads(1.0)
+        assert got and got[0].num_loaded == len(dst)
+        torch.cuda.synchronize()
+        for c in caches:
+            assert torch.equal(c[:, src].view(torch.int16), c[:, dst].view(torch.int16))
+        tiers.close()
+    finally:
+        if client is not None:
+            client.close()
+        proc.terminate()
+        proc.wait(10)
