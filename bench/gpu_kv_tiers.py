@@ -93,13 +93,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
     ap.add_argument("--chunk-mb", type=int, default=0, help="the kvstore client's zero-copy chunk (0: its default)")
+    ap.add_argument("--copy-threads", type=int, default=0, help="the client's checksum threads (0: its default)")
+    ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: Python's)")
     args = ap.parse_args()
     n_blocks = args.prompt_len // BS
     model = build_model(llama31_8b_config(), max_len=args.prompt_len + 1024)
     runner = kv_runner(model, 24.0, None)
     kv_proc, addr = start_kvstore(capacity_gb=3.0)
     try:
-        client = KvClient(addr, timeout_s=10.0, **({"chunk_bytes": args.chunk_mb << 20} if args.chunk_mb else {}))
+        if args.switch_interval:
+            sys.setswitchinterval(args.switch_interval)
+        client = KvClient(addr, timeout_s=10.0, **({"chunk_bytes": args.chunk_mb << 20} if args.chunk_mb else {}),
+                          **({"copy_threads": args.copy_threads} if args.copy_threads else {}))
 
         def make_ns(block_size: int, block_bytes: int):
             return kv_pb2.KvNamespace(model_id="bench-8b", weights_fingerprint="random-seed-0", dtype="bfloat16",
