@@ -107,13 +107,7 @@ class Store:
                 self.backend.unpin(ext)
                 ext = None
             out.append(ext)
-        hits = [(ns_id, h) for h, e in zip(hashes, out) if e is not None]
-        if len(hits) > 1:
-            self.backend.touch(hits[::-1])
-        with self._lock:
-            self.counters.hits += len(hits)
-            self.counters.misses += len(hashes) - len(hits)
-            self.counters.bytes_out += len(hits) * block_bytes
+        self._count_read(ns_id, block_bytes, hashes, out)
         return out
 
     def release(self, ns_id: bytes, hashes: list[bytes], pinned: list, corrupt: list[int], map_fn=map) -> int:
@@ -194,14 +188,18 @@ class Store:
             return found
 
         out = list(map_fn(one, hashes))
-        hits = [(ns_id, h) for h, f in zip(hashes, out) if f is not None]
+        self._count_read(ns_id, block_bytes, hashes, out)
+        return out
+
+    def _count_read(self, ns_id: bytes, block_bytes: int, hashes: list[bytes], found: list) -> None:
+        """The found blocks (not None) are marked used last block first; hits and misses counted."""
+        hits = [(ns_id, h) for h, f in zip(hashes, found) if f is not None]
         if len(hits) > 1:
             self.backend.touch(hits[::-1])
         with self._lock:
             self.counters.hits += len(hits)
             self.counters.misses += len(hashes) - len(hits)
             self.counters.bytes_out += len(hits) * block_bytes
-        return out
 
     def lookup(self, ns_id: bytes, hashes: list[bytes]) -> int:
         return self.backend.contains([(ns_id, h) for h in hashes])
