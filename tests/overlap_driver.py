@@ -36,18 +36,25 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, executor=None, depth=None,
-        tokenizer_path=None, watch=None, spec=None, new_tokens=NEW, prefix_caching=False, max_seqs=8):
+        tokenizer_path=None, watch=None, spec=None, new_tokens=NEW, prefix_caching=False, max_seqs=8,
+        draft_model=None, draft_blocks=None):
     """Drive the runner with the scheduler core, `depth` plans in flight (default: 2 with overlap,
     else 1) in the engine's order (submit N+1, then collect N). Without overlap the runner reads
     every step's tokens at its submit. `watch(runner)` may wrap the runner's methods to observe it;
-    `spec` (a SpecConfig) turns speculative decoding on in both the scheduler and the runner.
+    `spec` (a SpecConfig) turns speculative decoding on in both the scheduler and the runner;
+    `draft_model` (a loaded model) is method draft_model's drafter, with `draft_blocks` blocks
+    (default: the target's count).
     -> (outputs, logprobs, scheduler, most unresolved steps)."""
     runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=num_blocks, block_size=BLOCK,
                          tokenizer_path=tokenizer_path)
     info = runner.hello(BLOCK)
     if spec is not None:
         from services.worker.spec.decoder import SpecDecoder
-        runner.spec = SpecDecoder(spec)
+        draft = None
+        if draft_model is not None:
+            from services.worker.spec.draft_model import DraftModel
+            draft = DraftModel(draft_model, draft_blocks or info.num_kv_blocks, BLOCK)
+        runner.spec = SpecDecoder(spec, draft=draft)
     if watch is not None:
         watch(runner)
     if executor is not None:
@@ -70,10 +77,10 @@ def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, execut
         plan, handle = inflight.popleft()
         result = wired.collect(handle)
         assert not result.HasField("error"), result.error.message
-        for o in result.outputs:
-            logprobs.setdefault(o.request_id, []).extend(lp.logprob for lp in o.logprobs)
-        for out in s.update(plan, wire.result_from_proto(result)):
+        for out in s.update(plan, wire.result_from_proto(result)):   # what a client gets (trimmed at a stop)
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.logprobs:
+                logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs)
 
     while inflight or s.has_work():
         if len(inflight) < depth and s.has_work():

@@ -139,16 +139,35 @@ def check_draft_tokenizer(target_dir: str, draft_dir: str) -> None:
                               f"tokenizer ({len(d_vocab)} vs {len(t_vocab)} tokens, or different ids)")
 
 
+def _config_json(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SpecConfigError(f"speculative-config: cannot read {path}: {exc}") from None
+    return cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+
+
+def check_draft_model(target_dir: str, draft_dir: str) -> None:
+    """The draft model shares the target's tokenizer and its vocabulary fits in the target's
+    (embedding rows may be padded differently; ids past the target's would be proposals it
+    cannot verify), else SpecConfigError."""
+    check_draft_tokenizer(target_dir, draft_dir)
+    t_vocab, d_vocab = _config_json(target_dir).get("vocab_size"), _config_json(draft_dir).get("vocab_size")
+    if not isinstance(d_vocab, int) or not isinstance(t_vocab, int) or d_vocab > t_vocab:
+        raise SpecConfigError(f"speculative-config: the draft model {draft_dir} has a vocabulary of {d_vocab} ids, "
+                              f"the target {t_vocab}: the draft's must fit inside the target's")
+
+
 def check_served(text: str | None, tensor_parallel_size: int = 1, model_dir: str | None = None) -> SpecConfig | None:
-    """parse_spec_config plus what this release serves: n-gram and suffix proposers, one rank.
-    SpecConfigError (a ValueError) says what is not served."""
+    """parse_spec_config plus what this release serves (one rank; a draft model that matches the
+    target). SpecConfigError (a ValueError) says what is not served."""
     cfg = parse_spec_config(text)
     if cfg is None:
         return None
-    if cfg.method == "draft_model":
-        if model_dir:
-            check_draft_tokenizer(model_dir, cfg.model)
-        raise SpecConfigError("speculative-config: method draft_model is not served yet (ngram and suffix are)")
+    if cfg.method == "draft_model" and model_dir:
+        check_draft_model(model_dir, cfg.model)
     if tensor_parallel_size > 1:
         raise SpecConfigError("speculative-config: speculative decoding with --tensor-parallel-size > 1 is not "
                               "served yet (ranks would have to agree on every step's drafts)")

@@ -67,6 +67,9 @@ class RequestTraces:
         attrs = {"gen_ai.usage.output_tokens": int(num_output_tokens),
                  "meshllm.finish_reason": str(out.finish_reason),
                  "meshllm.num_cached_tokens": int(out.num_cached_tokens)}
+        if getattr(out, "spec_draft_tokens", 0):   # speculative decoding: what it drafted and kept
+            attrs["meshllm.spec.draft_tokens"] = int(out.spec_draft_tokens)
+            attrs["meshllm.spec.accepted_tokens"] = int(out.spec_accepted_tokens)
         error = f"{out.error_code}" if out.finish_reason == "error" else None
         telemetry.end_span(span, end_ns=finished, attributes=attrs, error=error)
 

@@ -60,7 +60,12 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
         tp.attach(runner)   # every rank: the tiers' agreement, the exported caches shared with rank 0
     if spec is not None:
         from services.worker.spec.decoder import SpecDecoder
-        runner.spec = SpecDecoder(spec, cfg.served_model_name)
+        draft = None
+        if spec.method == "draft_model":   # its own KV pool: the target's block count and size
+            from services.worker.spec.draft_model import load_draft_model
+            draft = load_draft_model(spec, model, runner.num_blocks, runner.block_size, dtype=cfg.torch_dtype,
+                                     max_num_tokens=runner.max_num_tokens, cuda_graphs=not cfg.enforce_eager)
+        runner.spec = SpecDecoder(spec, cfg.served_model_name, draft=draft)
         # The CPU's steps are slow and grow with their tokens from the start: a short curve.
         runner.spec.calibrate(runner, max_tokens=min(512 if device.type == "cuda" else 48, runner.max_num_tokens))
     if cfg.overlap_steps != "auto":

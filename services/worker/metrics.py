@@ -30,6 +30,15 @@ SPEC_ACCEPTED = Counter(PREFIX + "worker_spec_accepted_tokens_total", "draft tok
                         ["model_name", "method"])
 SPEC_STEPS = Counter(PREFIX + "worker_spec_steps_total", "steps that verified draft tokens",
                      ["model_name", "method"])
+SPEC_ROWS = Counter(PREFIX + "worker_spec_verified_rows_total",
+                    "request rows that verified drafts (mean accepted length = 1 + accepted / rows)",
+                    ["model_name", "method"])
+SPEC_DRAFTED_AT = Counter(PREFIX + "worker_spec_draft_tokens_per_position_total",
+                          "draft tokens verified at each draft position (1: a row's first draft)",
+                          ["model_name", "method", "position"])
+SPEC_ACCEPTED_AT = Counter(PREFIX + "worker_spec_accepted_tokens_per_position_total",
+                           "draft tokens accepted at each draft position (acceptance per position = this / "
+                           "the drafted count at the same position)", ["model_name", "method", "position"])
 MASK_PER_ROW = Histogram(PREFIX + "worker_structured_mask_seconds_per_row",
                          "host time to compute one constrained row's token mask, averaged over a step",
                          ["model_name"], buckets=STEP_LATENCY_BUCKETS)

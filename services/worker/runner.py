@@ -223,6 +223,8 @@ class ModelRunner:
         if block_size != self.block_size:
             self.allocate_kv_cache(block_size)
         self.requests.clear()
+        if self.spec is not None:   # its proposers (and a draft model's KV pool) follow the requests
+            self.spec.reset(self.num_blocks, self.block_size)
         cfg = self.model.cfg
         tiers = self.tiers
         return WorkerInfo(self.num_blocks, self.block_size, self.model.max_model_len, cfg.vocab_size,

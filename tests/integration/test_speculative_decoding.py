@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.meshproc import ROOT, start_mesh
+from tests.integration.otlp_receiver import OtlpReceiver
 
 # A fixed K (the dynamic_k table): whether the cost model speculates depends on step times, which
 # a shared 2-core CI machine makes noisy; the model's choices are tested in tests/unit.
@@ -27,9 +28,24 @@ REPEAT = [{"role": "user", "content": f"Repeat this text exactly, nothing else: 
 
 @pytest.fixture(scope="module")
 def spec_mesh(smollm2_dir):
-    m = start_mesh(str(smollm2_dir), "--max-model-len", "1024", "--max-num-seqs", "32", "--speculative-config", SPEC)
-    yield m
-    assert m.stop() == 0
+    """Traced (a real OTLP receiver): requests' spans carry what was drafted and accepted."""
+    rx = OtlpReceiver()
+    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"   # export within 0.1 s of a span's end
+    try:
+        m = start_mesh(str(smollm2_dir), "--max-model-len", "1024", "--max-num-seqs", "32", "--speculative-config",
+                       SPEC, "--otlp-traces-endpoint", rx.endpoint)
+    finally:
+        if saved is None:
+            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY")
+        else:
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
+    m.otlp = rx
+    try:
+        yield m
+        assert m.stop() == 0
+    finally:
+        rx.close()
 
 
 def client_of(m) -> OpenAI:
@@ -47,14 +63,39 @@ def chat(m, messages, **kw):
 
 
 def test_a_repeated_passage_is_mostly_accepted_and_the_text_is_unchanged(spec_mesh, mesh):
-    before = (counter(spec_mesh, "meshllm:worker_spec_draft_tokens_total"),
-              counter(spec_mesh, "meshllm:worker_spec_accepted_tokens_total"))
+    names = ("meshllm:worker_spec_draft_tokens_total", "meshllm:worker_spec_accepted_tokens_total",
+             "meshllm:worker_spec_verified_rows_total")
+    per_pos = ("meshllm:worker_spec_draft_tokens_per_position_total",
+               "meshllm:worker_spec_accepted_tokens_per_position_total")
+    before = [counter(spec_mesh, n) for n in names]
+    before_pos = {n: by_position(spec_mesh, n) for n in per_pos}
     got = chat(spec_mesh, REPEAT, max_tokens=64, temperature=0).choices[0].message.content
     want = chat(mesh, REPEAT, max_tokens=64, temperature=0).choices[0].message.content
     assert got == want
-    drafted = counter(spec_mesh, "meshllm:worker_spec_draft_tokens_total") - before[0]
-    accepted = counter(spec_mesh, "meshllm:worker_spec_accepted_tokens_total") - before[1]
+    drafted, accepted, rows = (counter(spec_mesh, n) - b for n, b in zip(names, before))
     assert drafted > 0 and accepted / drafted > 0.5, (drafted, accepted)
+    assert 0 < rows <= drafted, "mean accepted length = 1 + accepted / rows"
+    pos = {n: {p: v - before_pos[n].get(p, 0) for p, v in by_position(spec_mesh, n).items()} for n in per_pos}
+    d_at, a_at = pos[per_pos[0]], pos[per_pos[1]]
+    assert sum(d_at.values()) == drafted and sum(a_at.values()) == accepted
+    assert d_at["1"] == rows and all(a_at.get(p, 0) <= d_at[p] for p in d_at)
+    assert a_at["1"] / d_at["1"] >= a_at.get("4", 0) / max(d_at.get("4", 0), 1), "acceptance falls with position"
+
+    def traced(spans) -> bool:
+        return any(s.name == "scheduler.request" and s.attributes.get("meshllm.spec.draft_tokens") for s in spans)
+    spec_mesh.otlp.wait_for(traced, 30)
+    span = next(s for s in spec_mesh.otlp.spans if s.attributes.get("meshllm.spec.draft_tokens"))
+    assert 0 < span.attributes["meshllm.spec.accepted_tokens"] <= span.attributes["meshllm.spec.draft_tokens"]
+
+
+def by_position(m, name: str) -> dict[str, float]:
+    text = httpx.get(f"http://{m.services()['worker-metrics']}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and 'position="' in line:
+            p = line.split('position="', 1)[1].split('"', 1)[0]
+            out[p] = out.get(p, 0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def test_seeded_n2_and_streamed_outputs_equal_plain_decoding(spec_mesh, mesh):

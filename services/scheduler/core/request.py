@@ -44,6 +44,8 @@ class Request:
     # the worker may be past num_computed_tokens), and budgeted steps in a row it drafted none.
     spec_slack: int = 0
     spec_declined: int = 0
+    spec_drafted: int = 0                     # drafts the worker verified for it, and those accepted
+    spec_accepted: int = 0
     num_cached_prompt_tokens: int = 0         # prompt tokens not computed at first admission (any tier)
     # KV tiers: leading prompt blocks the kvstore holds (-1: not asked), the blocks of its
     # kvstore fetch (first index, count), and how many leading prompt blocks need no save.

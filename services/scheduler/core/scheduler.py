@@ -450,6 +450,9 @@ class Scheduler:
                 if s is not None and s.token_ids:
                     req.spec_declined = 0 if s.num_draft_tokens else req.spec_declined + 1
                     accepted = len(s.token_ids) - 1
+                    if s.num_draft_tokens:
+                        req.spec_drafted += s.num_draft_tokens
+                        req.spec_accepted += accepted
                     req.num_computed_tokens += accepted
                     out = self._append_tokens(req, s, finish=False)
                     # Only blocks made of accepted tokens are cached (a rejected draft's slot is
@@ -538,8 +541,10 @@ class Scheduler:
                             num_cached_tokens=req.num_cached_prompt_tokens, stop_token_id=stop_id)
         if req.prompt_logprobs:   # the first token: the prompt's logprobs go with it, once
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
-        if reason is not None and finish:
-            self._finish(req)
+        if reason is not None:
+            out.spec_draft_tokens, out.spec_accepted_tokens = req.spec_drafted, req.spec_accepted
+            if finish:
+                self._finish(req)
         return out
 
     def fail_all(self, code: str, message: str) -> list[RequestOutput]:

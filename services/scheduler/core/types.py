@@ -108,6 +108,9 @@ class RequestOutput:
     stop_token_id: int = -1
     # The whole prompt's, on the first-token output only (a shared empty default: no list per output).
     prompt_logprobs: Sequence[Any] = ()
+    # Speculative decoding, on the finishing output: drafts verified for the request, and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # A prefill-only request's end: the leading prompt blocks handed off (-1: not one); direct:
     # the worker holding them (its WorkerControl address) and their ids, held until released.
     handoff_blocks: int = -1

@@ -17,8 +17,9 @@ import time
 import torch
 
 from services.common.spec_config import SpecConfig
-from services.worker.metrics import SPEC_ACCEPTED, SPEC_DRAFTED, SPEC_STEPS
-from services.worker.spec.dynamic_k import MIN_GAIN, AcceptanceTracker, StepCostModel, choose_k
+from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTED, SPEC_DRAFTED_AT, SPEC_ROWS,
+                                     SPEC_STEPS)
+from services.worker.spec.dynamic_k import MIN_GAIN, AcceptanceTracker, StepCostModel, choose_k, choose_uniform_k
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
@@ -35,10 +36,13 @@ def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpecConfig, model_name: str = "") -> None:
-        if cfg.method == "draft_model":
-            raise ValueError("speculative-config: method draft_model is not served yet (use ngram or suffix)")
+    def __init__(self, cfg: SpecConfig, model_name: str = "", draft=None) -> None:
+        """`draft`: the loaded spec.draft_model.DraftModel, for method draft_model (only)."""
+        if (cfg.method == "draft_model") != (draft is not None):
+            raise ValueError("speculative-config: method draft_model needs its loaded draft model (and only it)")
         self.cfg = cfg
+        self.draft = draft
+        self.draft_cost: StepCostModel | None = None   # a draft decode step per batch (calibrate)
         self.cache = (SuffixCache(cfg.suffix_max_depth, cfg.suffix_cache_outputs)
                       if cfg.method == "suffix" else None)
         self.proposers: dict[str, object] = {}
@@ -48,12 +52,16 @@ class SpecDecoder:
         self.plain_cost: StepCostModel | None = None
         labels = (model_name, cfg.method)
         self._drafted, self._accepted = SPEC_DRAFTED.labels(*labels), SPEC_ACCEPTED.labels(*labels)
-        self._steps = SPEC_STEPS.labels(*labels)
+        self._steps, self._rows = SPEC_STEPS.labels(*labels), SPEC_ROWS.labels(*labels)
+        self._drafted_at = [SPEC_DRAFTED_AT.labels(*labels, str(j + 1)) for j in range(cfg.num_speculative_tokens)]
+        self._accepted_at = [SPEC_ACCEPTED_AT.labels(*labels, str(j + 1)) for j in range(cfg.num_speculative_tokens)]
         self.drafted = self.accepted = 0
 
     # ---- proposers ------------------------------------------------------------------------
     def start(self, request_id: str, token_ids: list[int], num_output_tokens: int) -> None:
-        if self.cfg.method == "ngram":
+        if self.draft is not None:
+            self.draft.start(request_id, token_ids)
+        elif self.cfg.method == "ngram":
             self.proposers[request_id] = NgramProposer(self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max,
                                                        token_ids)
         else:
@@ -63,20 +71,35 @@ class SpecDecoder:
             self.proposers[request_id] = p
 
     def extend(self, request_id: str, tokens: list[int]) -> None:
+        if self.draft is not None:
+            self.draft.extend(request_id, tokens)
+            return
         p = self.proposers.get(request_id)
         if p is not None:
             p.extend(tokens)
 
     def finish(self, request_id: str) -> None:
+        if self.draft is not None:
+            self.draft.finish(request_id)
         p = self.proposers.pop(request_id, None)
         if isinstance(p, SuffixProposer):
             p.finish()
         self.acceptance.forget(request_id)
 
+    def reset(self, num_blocks: int, block_size: int) -> None:
+        """A (re)connecting scheduler: every request is gone (the draft's pool follows the cache)."""
+        for rid in list(self.proposers):
+            self.finish(rid)
+        if self.draft is not None:
+            self.draft.reset(num_blocks, block_size)
+
     # ---- per step ---------------------------------------------------------------------------
     def drafts(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> dict[str, list[int]]:
         """rows: (request id, most drafts allowed) of the step's decode rows with a budget;
         base_tokens: the step's tokens without drafts; batch: its sequences -> drafts per row."""
+        if self.draft is not None:
+            k = self._draft_k(rows, base_tokens, batch)
+            return self.draft.propose([(rid, min(room, k)) for rid, room in rows]) if k else {}
         proposals = {rid: self.proposers[rid].propose(room) for rid, room in rows
                      if room > 0 and rid in self.proposers}
         proposals = {rid: p for rid, p in proposals.items() if p}
@@ -100,6 +123,8 @@ class SpecDecoder:
             return fixed > 0
         if self.spec_cost is None:
             return True
+        if self.draft is not None:
+            return self._draft_k(rows, base_tokens, batch) > 0
         rates = [(self.acceptance.rate(r), room) for r, room in rows]
         # A bound first (a few cost lookups, every step): all rows at the best rate drafting the
         # same K. If no K pays even so, no allocation does; else ask the full allocation.
@@ -111,12 +136,28 @@ class SpecDecoder:
             return False
         return any(choose_k(self.spec_cost, base_tokens, rates, plain=self.plain_cost))
 
+    def _draft_k(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> int:
+        """The draft model's K for this step (one for every row: it drafts in lock-step)."""
+        k_max = max((room for _, room in rows), default=0)
+        fixed = self.cfg.fixed_k(batch)
+        if fixed is not None:
+            return min(fixed, k_max)
+        if self.spec_cost is None or self.draft_cost is None:   # not calibrated: draft fully
+            return k_max
+        return choose_uniform_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
+                                self.draft_cost, plain=self.plain_cost)
+
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.update(request_id, drafted, accepted)
         self.drafted += drafted
         self.accepted += accepted
         self._drafted.inc(drafted)
         self._accepted.inc(accepted)
+        self._rows.inc()
+        for j in range(min(drafted, len(self._drafted_at))):
+            self._drafted_at[j].inc()
+            if j < accepted:
+                self._accepted_at[j].inc()
 
     def stepped(self) -> None:
         self._steps.inc()
@@ -139,6 +180,8 @@ class SpecDecoder:
             spec += plain
         spec = _monotone(spec)
         self.plain_cost, self.spec_cost = StepCostModel(_monotone(plain)), StepCostModel(spec)
+        if self.draft is not None:
+            self.draft_cost = StepCostModel(_monotone([(b, self.draft.time_step(b)) for b in sizes]))
         log.info("speculative decoding (%s, up to %d drafts): step cost calibrated in %.2fs: plain %s, "
                  "verify %s", self.cfg.method, self.cfg.num_speculative_tokens, time.perf_counter() - t0,
                  [(t, round(s * 1e3, 2)) for t, s in plain], [(t, round(s * 1e3, 2)) for t, s in spec])

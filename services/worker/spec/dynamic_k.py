@@ -77,6 +77,27 @@ def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, 
     return ks
 
 
+def choose_uniform_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]],
+                     draft_cost: StepCostModel, plain: StepCostModel | None = None) -> int:
+    """A draft model drafts every row in lock-step (K decode steps of the draft for the batch),
+    so its K is one number for the step: the K that maximises emitted tokens per second, where
+    a step costs the target's verify of base + drafts tokens plus K draft steps of the batch;
+    0 unless it beats the plain step by MIN_GAIN. requests: (acceptance rate, drafts available)."""
+    n = len(requests)
+    if not n:
+        return 0
+    plain_rate = n / (plain or cost).cost(base_tokens)
+    best_k, best = 0, MIN_GAIN * plain_rate
+    step = draft_cost.cost(n)
+    for k in range(1, max(avail for _, avail in requests) + 1):
+        ks = [min(k, avail) for _, avail in requests]
+        emitted = n + sum(sum(a ** j for j in range(1, kk + 1)) for (a, _), kk in zip(requests, ks))
+        rate = emitted / (cost.cost(base_tokens + sum(ks)) + k * step)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
 @dataclass
 class AcceptanceTracker:
     """Per-request acceptance rates, and the method's over recent requests (their prior)."""
