@@ -17,6 +17,26 @@ from services.common.procs import die_with_parent
 
 METRICS_SERVICES = ("tokenizer", "scheduler", "worker", "embedder", "profiler", "kvstore")
 
+# --api-server-count auto: one gateway process per this many cores, at most AUTO_API_SERVERS_MAX.
+# A gateway process keeps about one core busy at its peak; the tokenizers, schedulers, workers and
+# the kernel need the others, so a small host keeps one process (it cannot feed a second).
+CORES_PER_AUTO_API_SERVER = 8
+AUTO_API_SERVERS_MAX = 4
+
+
+def resolve_api_server_count(value: str, num_cores: int) -> int:
+    """`--api-server-count`: a whole number >= 1, or "auto" = min(4, cores // 8), at least 1
+    (1 up to 15 cores, 2 from 16, 3 from 24, 4 from 32). ValueError for anything else."""
+    if value.strip().lower() == "auto":
+        return max(1, min(AUTO_API_SERVERS_MAX, num_cores // CORES_PER_AUTO_API_SERVER))
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"--api-server-count must be a whole number >= 1 or 'auto', got {value!r}") from None
+    if count < 1:
+        raise ValueError(f"--api-server-count must be >= 1 (or 'auto'), got {count}")
+    return count
+
 
 @dataclass
 class MeshConfig:
@@ -48,6 +68,7 @@ class MeshConfig:
     tensor_parallel_size: int = 1          # worker ranks (services/worker/tp_ranks.py)
     ready_timeout_s: float = 300.0
     data_parallel_size: int = 1            # engine replicas (a scheduler + its worker each)
+    api_server_count: int = 1              # gateway processes sharing the public ports (SO_REUSEPORT)
     tokenizer_replicas: int = 1
     progress_timeout_s: float = 30.0       # scheduler: work pending, no step this long -> not ready
     stop_grace_s: float = 20.0             # shutdown: in-flight requests get this long
@@ -101,6 +122,9 @@ class MeshConfig:
                               disk_gb=self.kv_tier_disk_gb, backend=self.kv_tier_backend)
             except ValueError as exc:  # the kvstore's flag names, as --kv-tier-* here
                 raise ValueError(str(exc).replace("--", "--kv-tier-")) from None
+        if (isinstance(self.api_server_count, bool) or not isinstance(self.api_server_count, int)
+                or self.api_server_count < 1):
+            raise ValueError(f"--api-server-count must be a whole number >= 1, got {self.api_server_count!r}")
         if self.data_parallel_size < 1 or self.tokenizer_replicas < 1:
             raise ValueError("--data-parallel-size and --tokenizer-replicas must be >= 1")
         if self.prefill_replicas or self.decode_replicas:
@@ -176,7 +200,21 @@ class Mesh:
         self.profiler_port = free_port()
         self.kvstore_port = free_port() if cfg.kv_tier and not cfg.kvstore_addr else None
         self.supervisor_port = free_port()
-        self.gateway_health_port = free_port()  # the gateway's own-thread health (never starved)
+        # The public ports: every gateway process binds the same ones (SO_REUSEPORT), so with
+        # several a port 0 is chosen here, once, for all of them.
+        self.http_port, self.grpc_port = cfg.port, cfg.grpc_port
+        if cfg.api_server_count > 1:
+            probe = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") or ":" in cfg.host else cfg.host
+            self.http_port = self.http_port or free_port(probe)
+            self.grpc_port = self.grpc_port or free_port(probe)
+        # Each gateway process's own-thread health (never starved): the supervisor probes each.
+        self.gateway_health_ports = [free_port() for _ in range(cfg.api_server_count)]
+        self.gateway_health_port = self.gateway_health_ports[0]
+        # With several gateway processes, their metrics files (services/gateway/shared_metrics.py).
+        self.gateway_metrics_dir = ""
+        if cfg.api_server_count > 1:
+            self.gateway_metrics_dir = os.path.join(self._tmp, "gateway-metrics")
+            os.mkdir(self.gateway_metrics_dir, 0o700)
         # Prometheus /metrics of the gRPC-only services (the gateway serves it on its HTTP
         # port). A new service that accepts --metrics-port joins by adding its name here.
         # Replicas past the first are "<name>-<rank>".
@@ -328,29 +366,43 @@ class Mesh:
                 metrics_url=self.metrics_url("embedder")))
             embedder_args = ["--embedder-addr", addr]
         replicas.append(self._profiler_replica())
+        # Last in the spec (the supervisor stops the gateways first and the rest after them).
+        return [*replicas, *self._gateway_replicas(embedder_args)]
+
+    def _gateway_replicas(self, embedder_args: list[str]) -> list["pb.supervisor.ReplicaSpec"]:
+        """--api-server-count gateway processes, one replica each (the supervisor probes and
+        restarts each alone), all on the same public ports, with the same engines, tokenizers
+        and supervisor to follow: the same routing view."""
+        c, h, K = self.cfg, self.cfg.host, pb.supervisor
         probe_host = "127.0.0.1" if h in ("0.0.0.0", "::", "") else h
-        gateway_grpc = f"{probe_host}:{c.grpc_port}"
-        # Probed on its health thread's port (plain, or internal mTLS like every internal
-        # port), which answers even when request traffic saturates the gateway's event loop
-        # and says NOT_SERVING when that loop stalls; the public port may use public TLS.
-        gateway = self._process("gateway", [
-            *embedder_args, "--profiler-addr", f"127.0.0.1:{self.profiler_port}", "--host", h, "--port", str(c.port), "--grpc-port", str(c.grpc_port),
-            "--health-port", str(self.gateway_health_port),
-            *[a for e in self.engines for a in ("--engine-addr", f"127.0.0.1:{e.scheduler_port}")],
-            *[a for p in self.tokenizer_ports for a in ("--tokenizer-addr", f"127.0.0.1:{p}")],
-            "--supervisor-addr", self.supervisor_addr, "--shutdown-grace-s", str(c.stop_grace_s),
-            "--served-model-name", c.served_model_name,
-            *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
-            *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
-            *c.gateway_args],
-            health_addr=f"{probe_host}:{self.gateway_health_port}", health_service="gateway",
-            probe=K.PROBE_GRPC_HEALTH)
-        # Last in the spec: the supervisor stops the gateway first and the rest after it.
-        replicas.append(K.ReplicaSpec(id="gateway-0", kind=K.REPLICA_KIND_GATEWAY, addr=gateway_grpc,
-                                      unhealthy_after_s=LOOP_HEALTH_HANG_S,
-                                      processes=[gateway],
-                                      metrics_url=f"http{'s' if '--ssl-certfile' in c.gateway_args else ''}://"
-                                                  f"{probe_host}:{c.port}/metrics"))
+        shared = ["--reuse-port"] if c.api_server_count > 1 else []
+        env = {"PROMETHEUS_MULTIPROC_DIR": self.gateway_metrics_dir} if self.gateway_metrics_dir else None
+        replicas = []
+        for i, health_port in enumerate(self.gateway_health_ports):
+            # Probed on its health thread's port (plain, or internal mTLS like every internal
+            # port), which answers even when request traffic saturates the gateway's event loop
+            # and says NOT_SERVING when that loop stalls; the public port may use public TLS.
+            gateway = self._process("gateway", [
+                *embedder_args, "--profiler-addr", f"127.0.0.1:{self.profiler_port}", "--host", h,
+                "--port", str(self.http_port), "--grpc-port", str(self.grpc_port), *shared,
+                "--health-port", str(health_port),
+                *[a for e in self.engines for a in ("--engine-addr", f"127.0.0.1:{e.scheduler_port}")],
+                *[a for p in self.tokenizer_ports for a in ("--tokenizer-addr", f"127.0.0.1:{p}")],
+                "--supervisor-addr", self.supervisor_addr, "--shutdown-grace-s", str(c.stop_grace_s),
+                "--served-model-name", c.served_model_name,
+                *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
+                *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
+                *c.gateway_args],
+                extra_env=env, health_addr=f"{probe_host}:{health_port}", health_service="gateway",
+                probe=K.PROBE_GRPC_HEALTH)
+            # /metrics answers for every gateway process (shared_metrics.py): listed once, on
+            # gateway-0, so that a scraper discovering targets here counts each series once.
+            metrics_url = (f"http{'s' if '--ssl-certfile' in c.gateway_args else ''}://"
+                           f"{probe_host}:{self.http_port}/metrics") if i == 0 else ""
+            replicas.append(K.ReplicaSpec(id=f"gateway-{i}", kind=K.REPLICA_KIND_GATEWAY, rank=i,
+                                          addr=f"{probe_host}:{self.grpc_port}",
+                                          unhealthy_after_s=LOOP_HEALTH_HANG_S,
+                                          processes=[gateway], metrics_url=metrics_url))
         return replicas
 
     def _kvstore_replicas(self) -> list["pb.supervisor.ReplicaSpec"]:
@@ -383,7 +435,7 @@ class Mesh:
             services["kvstore"] = f"127.0.0.1:{self.kvstore_port}"
         workers = {f"worker{e.rank}": f"127.0.0.1:{e.worker_grpc_port}" for e in self.engines}
         args, env = profiler_argv(self.profiler_port, workers, services,
-                                  f"{self.cfg.host}:{self.cfg.grpc_port}", self.cfg.gateway_args,
+                                  f"{self.cfg.host}:{self.grpc_port}", self.cfg.gateway_args,
                                   {**os.environ, **self.cfg.extra_env}, self.cfg.profile_dir)
         addr = f"127.0.0.1:{self.profiler_port}"
         return pb.supervisor.ReplicaSpec(
@@ -426,6 +478,7 @@ class Mesh:
             parts.append(f"kvstore={self.kvstore_address}")
         parts += [f"profiler=127.0.0.1:{self.profiler_port}", f"supervisor={self.supervisor_addr}",
                   f"gateway-health=127.0.0.1:{self.gateway_health_port}"]
+        parts += [f"gateway-health-{i}=127.0.0.1:{p}" for i, p in enumerate(self.gateway_health_ports) if i]
         for e in self.engines[1:]:
             parts += [f"scheduler-{e.rank}=127.0.0.1:{e.scheduler_port}", f"worker-{e.rank}={e.worker_addr}"]
         parts += [f"tokenizer-{i}=127.0.0.1:{p}" for i, p in enumerate(self.tokenizer_ports) if i]
@@ -464,8 +517,10 @@ def run_mesh(cfg: MeshConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         mesh.start()
-        print(f"meshllm is up: OpenAI API http://{cfg.host}:{cfg.port}/v1 (health: /health), "
-              f"gRPC {cfg.host}:{cfg.grpc_port}, model {cfg.served_model_name!r}. Ctrl-C stops it.", flush=True)
+        gateways = f" ({cfg.api_server_count} gateway processes)" if cfg.api_server_count > 1 else ""
+        print(f"meshllm is up: OpenAI API http://{cfg.host}:{mesh.http_port}/v1 (health: /health), "
+              f"gRPC {cfg.host}:{mesh.grpc_port}{gateways}, model {cfg.served_model_name!r}. Ctrl-C stops it.",
+              flush=True)
         print(f"meshllm services: {mesh.services_line()}", flush=True)
         while True:
             mesh.check_alive()

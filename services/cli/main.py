@@ -84,6 +84,10 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="direct hand-offs: the prefill engine holds the blocks at most this long for the decode one")
     p.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer replicas (the gateway fails over)")
+    p.add_argument("--api-server-count", type=_api_server_count, default="auto", metavar="N|auto",
+                   help="gateway (API server) processes sharing the public HTTP and gRPC ports (SO_REUSEPORT), "
+                        "so that one Python frontend is not the ceiling; /metrics counts them all. auto "
+                        "(the default): min(4, cores // 8), at least 1 (docs/routing.md)")
     p.add_argument("--progress-timeout-s", type=float, default=30.0,
                    help="an engine with work pending and no step completed this long reports not ready "
                         "(and the supervisor restarts it)")
@@ -120,6 +124,22 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
     return p
 
 
+def _num_cores() -> int:
+    """The cores this process may run on (a cpuset or taskset counts, not the whole host)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _api_server_count(value: str) -> int:
+    from services.cli.launcher import resolve_api_server_count
+    try:
+        return resolve_api_server_count(value, _num_cores())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--api-server-count ")) from None
+
+
 def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
     from services.cli.launcher import MeshConfig
     return MeshConfig(model_dir=model_dir, host=a.host, port=a.port, grpc_port=a.grpc_port,
@@ -136,6 +156,7 @@ def _mesh_config(a: argparse.Namespace, model_dir: str, default_name: str):
                       simulate_worker=a.simulate_worker, simulate_step_ms=a.simulate_step_ms,
                       tensor_parallel_size=a.tensor_parallel_size,
                       data_parallel_size=a.data_parallel_size, tokenizer_replicas=a.tokenizer_replicas,
+                      api_server_count=a.api_server_count,
                       progress_timeout_s=a.progress_timeout_s, stop_grace_s=a.shutdown_grace_s,
                       otlp_traces_endpoint=a.otlp_traces_endpoint, trace_sampling_ratio=a.trace_sampling_ratio,
                       gateway_args=_gateway_security_args(a), internal_mtls=a.internal_mtls,

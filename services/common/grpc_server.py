@@ -90,11 +90,12 @@ def _version() -> str:
 
 
 def make_server(service: str, service_names: list[str],
-                interceptors=None) -> tuple[grpc.aio.Server, ServiceHealth]:
+                interceptors=None, reuse_port: bool = False) -> tuple[grpc.aio.Server, ServiceHealth]:
     """Create a server that already serves health, Status and reflection.
 
     `service_names` are the full names of the servicers the caller will add (for reflection);
-    `interceptors` (e.g. the gateway's API-key check) see every call."""
+    `interceptors` (e.g. the gateway's API-key check) see every call. `reuse_port`: several
+    processes may bind the same port (SO_REUSEPORT; off by default so a taken port fails)."""
     from services.common.metrics import GrpcMetricsInterceptor
     # Metrics outermost: calls refused by the others (API keys) are counted with their status.
     from services.common.grpc_tracing import tracing_interceptors
@@ -103,7 +104,8 @@ def make_server(service: str, service_names: list[str],
     # The decode guard innermost: an undecodable request is INVALID_ARGUMENT before any servicer.
     interceptors = [GrpcMetricsInterceptor(service), *(interceptors or []), *tracing_interceptors(),
                     DecodeGuardInterceptor()]
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    options = [o for o in GRPC_OPTIONS if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", int(reuse_port))]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     health = ServiceHealth(service)
     health.servicer.set("", hpb.HealthCheckResponse.SERVING)
     health.servicer.set(service, hpb.HealthCheckResponse.NOT_SERVING)

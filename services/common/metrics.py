@@ -9,10 +9,20 @@ Exemplars (a trace id attached to one histogram sample) only appear in the OpenM
 exposition, which a scraper asks for with `Accept: application/openmetrics-text`; both the
 gRPC-only services' listener (`start_metrics_server`) and the gateway's `GET /metrics`
 (`exposition`) negotiate it.
+
+Several processes behind one port (the gateway's `--api-server-count N`): a scrape lands on
+any one of them, so each process writes its values into files of prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set in the processes' environment before they
+start) and a scrape exposes the sum over every file (`multiprocess_registry`). Values that
+are read from live objects at scrape time are copied there by `CollectorMirror`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
+import json
+import os
 import re
 import socket
 import threading
@@ -20,8 +30,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
-from prometheus_client import (REGISTRY, Counter, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (REGISTRY, CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics, generate_latest, multiprocess)
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.openmetrics import exposition as openmetrics
 
@@ -238,3 +249,167 @@ def _wrap_stream(behavior, record):
             if hasattr(result, "aclose"):
                 await result.aclose()
     return wrapped
+
+
+# ---- several processes behind one port ----------------------------------------------------
+# A scrape-time gauge's snapshot, per process: exact (a series that vanished is gone) and
+# dropped with its process; the multiprocess .db files can do neither.
+_GAUGE_SNAPSHOT = "scrape_gauges_{pid}.json"
+GAUGE_MERGES = {"sum": sum, "max": max}
+
+
+def multiprocess_registry(path: str) -> CollectorRegistry:
+    """What a scrape of any one of several sibling processes exposes: every metric of every
+    sibling, added up from the files prometheus_client's multiprocess mode keeps in `path`
+    (counters and histograms summed, gauges by their `multiprocess_mode`), including those of
+    siblings that exited, so totals never go down when one restarts; plus the gauges that
+    `CollectorMirror`s snapshot there. The process-local collectors (process_*, python_*) are
+    left out: they would describe one random sibling. Exemplars are not kept in multiprocess
+    mode (prometheus_client stores none)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"PROMETHEUS_MULTIPROC_DIR {path!r} is not a directory")
+    registry = CollectorRegistry(auto_describe=True)
+    multiprocess.MultiProcessCollector(registry, path=path)
+    registry.register(_SnapshotGauges(path))
+    return registry
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # a zombie no longer counts
+    except FileNotFoundError:
+        return True
+    except OSError:   # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def _pid_of(name: str) -> int | None:
+    stem = os.path.basename(name).rsplit(".", 1)[0]
+    pid = stem.rsplit("_", 1)[-1]
+    return int(pid) if pid.isdigit() else None
+
+
+def forget_exited_processes(path: str) -> list[int]:
+    """Drop the gauges of siblings that exited (prometheus_client's "live*" gauge files and
+    the mirrors' snapshots), so that a crashed sibling's in-flight requests stop counting;
+    their counters stay. Returns the pids forgotten."""
+    gone = set()
+    for name in [*glob.glob(os.path.join(path, "gauge_live*_*.db")),
+                 *glob.glob(os.path.join(path, _GAUGE_SNAPSHOT.format(pid="*")))]:
+        pid = _pid_of(name)
+        if pid is not None and pid != os.getpid() and _exited(pid):
+            gone.add(pid)
+    for pid in gone:
+        multiprocess.mark_process_dead(pid, path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, _GAUGE_SNAPSHOT.format(pid=pid)))
+    return sorted(gone)
+
+
+class CollectorMirror:
+    """Copies the families of scrape-time collectors (custom collectors whose `collect()`
+    reads live objects, which multiprocess mode never sees) into files of `path`, where a
+    scrape of any sibling (`multiprocess_registry`) reads them; `sync()` copies the values of
+    now.
+
+    Counter families are cumulative totals and are copied as increments into this process's
+    multiprocess counter file, so the siblings' totals add up and outlive them. Gauge families
+    are snapshot whole into this process's own file, which goes when it exits; each needs its
+    merge across live siblings in `gauge_merges` (by family name): "sum" (e.g. requests in
+    flight) or "max" (e.g. a 0/1 flag)."""
+
+    def __init__(self, path: str, gauge_merges: dict[str, str]) -> None:
+        bad = {name: how for name, how in gauge_merges.items() if how not in GAUGE_MERGES}
+        if bad:
+            raise ValueError(f"gauge merges must be one of {sorted(GAUGE_MERGES)}, got {bad}")
+        self.path = path
+        self.gauge_merges = dict(gauge_merges)
+        self._collectors = []
+        self._counters: dict[str, Counter] = {}
+        self._totals: dict[tuple[str, tuple[str, ...]], float] = {}   # counter series -> total copied
+
+    def add(self, collector) -> None:
+        self._collectors.append(collector)
+
+    def sync(self) -> None:
+        gauges = []
+        for collector in self._collectors:
+            for family in collector.collect():
+                if family.type == "counter":
+                    self._copy_counter(family)
+                elif family.type == "gauge":
+                    gauges.append(self._snapshot(family))
+                else:
+                    raise TypeError(f"{family.name!r}: only counter and gauge families can be mirrored, "
+                                    f"not {family.type}")
+        name = os.path.join(self.path, _GAUGE_SNAPSHOT.format(pid=os.getpid()))
+        with open(name + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(gauges, f)
+        os.replace(name + ".tmp", name)   # a reader sees the old snapshot or the new one, whole
+
+    def close(self) -> None:
+        """This process's gauges stop counting (its counters stay)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.path, _GAUGE_SNAPSHOT.format(pid=os.getpid())))
+
+    def _copy_counter(self, family) -> None:
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue   # _created
+            values = tuple(sample.labels.values())
+            counter = self._counters.get(family.name)
+            if counter is None:
+                counter = self._counters[family.name] = Counter(
+                    family.name, family.documentation, tuple(sample.labels), registry=None)
+            key = (family.name, values)
+            delta = sample.value - self._totals.get(key, 0.0)
+            if delta > 0:
+                (counter.labels(*values) if values else counter).inc(delta)
+            self._totals[key] = sample.value
+
+    def _snapshot(self, family) -> dict:
+        merge = self.gauge_merges.get(family.name)
+        if merge is None:
+            raise ValueError(f"gauge {family.name!r} has no merge rule (sum or max)")
+        labels = list(family.samples[0].labels) if family.samples else []
+        return {"name": family.name, "doc": family.documentation, "merge": merge, "labels": labels,
+                "samples": [[list(s.labels.values()), s.value] for s in family.samples]}
+
+
+class _SnapshotGauges:
+    """The CollectorMirror gauge snapshots of every live sibling, merged."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self):
+        families: dict[str, dict] = {}
+        values: dict[str, dict[tuple[str, ...], list[float]]] = {}
+        for name in sorted(glob.glob(os.path.join(self.path, _GAUGE_SNAPSHOT.format(pid="*")))):
+            pid = _pid_of(name)
+            if pid is None or (pid != os.getpid() and _exited(pid)):
+                continue
+            try:
+                with open(name, encoding="utf-8") as f:
+                    snapshot = json.load(f)
+            except (FileNotFoundError, ValueError):   # gone since the glob / an older format
+                continue
+            for fam in snapshot:
+                if fam["name"] not in families or not families[fam["name"]]["labels"]:
+                    families[fam["name"]] = fam   # one that had samples names the labels
+                series = values.setdefault(fam["name"], {})
+                for labels, value in fam["samples"]:
+                    series.setdefault(tuple(labels), []).append(value)
+        for name, fam in families.items():
+            out = GaugeMetricFamily(name, fam["doc"], labels=fam["labels"])
+            merge = GAUGE_MERGES[fam["merge"]]
+            for labels, vals in sorted(values[name].items()):
+                out.add_metric(list(labels), merge(vals))
+            yield out

@@ -1,6 +1,7 @@
 """The gateway's one validated config (flags are read only in main.py)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from services.common.internal_tls import InternalTls
@@ -13,6 +14,11 @@ class GatewayConfig:
     port: int = 8000                  # HTTP (OpenAI API); 0 = a free port
     grpc_port: int = 50051            # public gRPC API + health; 0 = a free port
     health_port: int = 0              # grpc.health.v1 on its own threads (health_thread.py); 0 = off
+    # Several gateway processes on the same HTTP and gRPC ports (SO_REUSEPORT; the launcher's
+    # --api-server-count). metrics_multiproc_dir: PROMETHEUS_MULTIPROC_DIR, where every one
+    # of them writes its metrics, so that /metrics on any of them counts all (shared_metrics.py).
+    reuse_port: bool = False
+    metrics_multiproc_dir: str = ""
     # Replicas: several tokenizers (failover) and several engines (routed); with a
     # supervisor_addr, both sets follow the supervisor's WatchReplicas (these are the start).
     tokenizer_addrs: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
@@ -67,6 +73,8 @@ class GatewayConfig:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {value}")
+        if self.metrics_multiproc_dir and not os.path.isdir(self.metrics_multiproc_dir):
+            raise ValueError(f"PROMETHEUS_MULTIPROC_DIR {self.metrics_multiproc_dir!r} is not a directory")
         for flag, values in (("--tokenizer-addr", self.tokenizer_addrs),
                              ("--engine-addr", self.engine_addrs)):
             if not values and not self.supervisor_addr:

@@ -1,12 +1,15 @@
 """Entry point: `python -m services.gateway --port 8000 --grpc-port 50051 ...`.
 
 One asyncio loop runs uvicorn (the OpenAI HTTP API), the grpc.aio server (public gRPC
-API + health) and the clients of the tokenizer and the scheduler."""
+API + health) and the clients of the tokenizer and the scheduler. With --reuse-port several
+gateway processes share the HTTP and gRPC ports (the launcher's --api-server-count) and, given
+PROMETHEUS_MULTIPROC_DIR, their /metrics (shared_metrics.py)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import time
 
@@ -40,6 +43,10 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (0 = any free port)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0 = any)")
+    p.add_argument("--reuse-port", action="store_true", default=d.reuse_port,
+                   help="SO_REUSEPORT on the HTTP and gRPC ports: several gateway processes share "
+                        "them, the kernel spreads connections (set PROMETHEUS_MULTIPROC_DIR too, "
+                        "so /metrics counts every process)")
     p.add_argument("--health-port", type=int, default=d.health_port,
                    help="grpc.health.v1 answered from threads of its own, true even when request "
                         "traffic saturates the event loop (0 = off; the gRPC port serves health too)")
@@ -76,6 +83,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
             setattr(args, name, [] if args.supervisor_addr else getattr(d(), name))
     try:
         kw = {k: v for k, v in flags.config_kwargs(args).items() if not k.startswith("internal_tls_")}
+        # prometheus_client itself switched to its multiprocess files when it saw this at import.
+        kw["metrics_multiproc_dir"] = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
         return GatewayConfig(**kw, internal_tls=internal_tls.from_args(args))
     except ValueError as err:
         p.error(str(err))
@@ -89,10 +98,12 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # every sibling sets it too; the kernel hashes each new connection to one
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as err:
@@ -181,16 +192,24 @@ async def serve(config: GatewayConfig) -> int:
                  embeddings=Embeddings(embedder, config.served_model_name))
 
     sec = security.Security(config)
-    server, health = make_server("gateway", [SERVICE_NAME], sec.grpc_interceptors())
+    server, health = make_server("gateway", [SERVICE_NAME], sec.grpc_interceptors(), reuse_port=config.reuse_port)
     add_to_server(server, gw)
     grpc_port = bind(server, f"{config.host}:{config.grpc_port}", sec.grpc_credentials())
     await server.start()
 
     ledger = connections.ConnectionLedger(limits.max_connections)
     connections.install_log_guards(asyncio.get_running_loop(), ledger)
-    sock = _listen(config.host, config.port, limits.accept_backlog)
+    sock = _listen(config.host, config.port, limits.accept_backlog, config.reuse_port)
     http_port = sock.getsockname()[1]
-    uv = _Uvicorn(uvicorn.Config(sec.wrap_http(with_request_context(create_app(gw))),
+    app = create_app(gw)
+    shared = None
+    if config.metrics_multiproc_dir:
+        from services.gateway.shared_metrics import SharedMetrics
+        shared = app.state.shared_metrics = SharedMetrics(config.metrics_multiproc_dir, engine)
+    elif config.reuse_port:
+        log.warning("--reuse-port without PROMETHEUS_MULTIPROC_DIR: /metrics counts only the "
+                    "process a scrape lands on")
+    uv = _Uvicorn(uvicorn.Config(sec.wrap_http(with_request_context(app)),
                                  http=connections.protocol_class(limits, ledger),
                                  timeout_keep_alive=limits.keep_alive_timeout_s,
                                  backlog=limits.accept_backlog,
@@ -207,6 +226,8 @@ async def serve(config: GatewayConfig) -> int:
         print(f"gateway health on {config.host}:{hport}", flush=True)
     tasks = [asyncio.create_task(uv.serve(sockets=[sock]), name="uvicorn"),
              asyncio.create_task(_readiness(gw, health, vitals, log), name="readiness")]
+    if shared is not None:
+        tasks.append(asyncio.create_task(shared.run(), name="shared-metrics"))
     if config.supervisor_addr:
         tasks.append(asyncio.create_task(
             follow_supervisor(config.supervisor_addr, engine, tokenizer, creds),
@@ -243,6 +264,8 @@ async def serve(config: GatewayConfig) -> int:
         await embedder.close()
     await tokenizer.close()
     sock.close()
+    if shared is not None:
+        shared.close()
     return 0
 
 

@@ -3,10 +3,12 @@ trace-id exemplars), requests in flight, and the `GET /metrics` route itself.
 
 `/metrics` is served on the HTTP port without API keys (auth.OPEN_HTTP_PATHS), like
 /health: Prometheus scrapes it from inside the deployment and it holds no request data.
-Its gRPC calls are counted by the interceptor every service has (services/common/metrics.py)."""
+Its gRPC calls are counted by the interceptor every service has (services/common/metrics.py).
+With several gateway processes on one port (services/gateway/shared_metrics.py) a scrape
+answers for all of them."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -17,8 +19,10 @@ HTTP_REQUESTS = Counter(PREFIX + "http_requests_total", "HTTP requests answered,
 HTTP_LATENCY = Histogram(PREFIX + "http_request_duration_seconds",
                          "HTTP request received -> response complete (streams: the last event)",
                          ["method", "route"], buckets=REQUEST_LATENCY_BUCKETS)
+# livesum: with several gateway processes, the in-flight requests of the live ones add up.
 INFLIGHT = Gauge(PREFIX + "gateway_requests_inflight", "engine requests the gateway has in flight",
-                 ["model_name"])
+                 ["model_name"], multiprocess_mode="livesum")
+_TRACKED: dict[str, tuple[Gauge, object]] = {}   # model name -> (INFLIGHT child, its count callable)
 
 UNMATCHED_ROUTE = "unmatched"   # any path no route serves (bounded label values)
 
@@ -62,9 +66,21 @@ def record_http(method: str, route: str, status: int, seconds: float, exemplar: 
 
 def track_inflight(model_name: str, count) -> None:
     """Read the engine client's in-flight count at scrape time (`count` is a callable)."""
-    INFLIGHT.labels(model_name).set_function(count)
+    child = INFLIGHT.labels(model_name)
+    child.set_function(count)
+    _TRACKED[model_name] = (child, count)
+
+
+def write_tracked_gauges() -> None:
+    """Multiprocess mode: store the scrape-time gauges' values of now in this process's
+    files (a sibling's scrape reads only those; set_function values never reach them)."""
+    for child, count in _TRACKED.values():
+        child.set(count())
 
 
 async def metrics_route(request: Request) -> Response:
-    body, content_type = exposition(request.headers.get("accept"))
+    # app.state.shared_metrics: set when several gateway processes share the port.
+    shared = getattr(request.app.state, "shared_metrics", None)
+    registry = shared.scrape_registry() if shared is not None else REGISTRY
+    body, content_type = exposition(request.headers.get("accept"), registry)
     return Response(body, media_type=content_type)
