@@ -56,13 +56,24 @@ class SharedMetrics:
         self._mirror.sync()
 
     def scrape_registry(self) -> CollectorRegistry:
-        self.sync()
+        try:
+            self.sync()
+        except OSError as exc:   # the scrape still answers, with this process's last copy
+            log.warning("metrics: cannot write this process's values to %s: %s", self.path, exc)
         return self.registry
 
     async def run(self) -> None:
+        failing = False
         while True:
-            self.sync()
-            gone = forget_exited_processes(self.path)
+            try:
+                self.sync()
+                gone = forget_exited_processes(self.path)
+            except OSError as exc:   # a full disk, say: keep serving, say it once until it recovers
+                if not failing:
+                    log.warning("metrics: cannot write this process's values to %s: %s", self.path, exc)
+                failing, gone = True, []
+            else:
+                failing = False
             if gone:
                 log.info("metrics: gateway processes %s exited; their in-flight gauges dropped", gone)
             await asyncio.sleep(SYNC_INTERVAL_S)
