@@ -196,15 +196,16 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
 
 
 def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,
-            token_budget: int, gen, time_cap_s: float, pipelined: bool = True) -> dict:
+            token_budget: int, gen, time_cap_s: float, pipelined: bool = True, vocab: int = 128000) -> dict:
     """Continuous batching of fixed-length requests (EOS ignored): decodes first, then whole
     prompts while the token budget and max_seqs allow; blocks for prompt + output up front.
     Plans are made ahead like the scheduler's async scheduling (a request's outputs are counted
-    when planned); pipelined: two steps in flight (submit N+1, collect N), else one."""
+    when planned); pipelined: two steps in flight (submit N+1, collect N), else one. Prompt ids are
+    drawn from [0, vocab)."""
     free = list(range(runner.num_blocks))
     need = -(-(in_len + out_len) // BS)
     waiting = list(range(num_requests))
-    prompts = {i: torch.randint(0, 128000, (in_len,), generator=gen).tolist() for i in waiting}
+    prompts = {i: torch.randint(0, vocab, (in_len,), generator=gen).tolist() for i in waiting}
     running: dict[str, list] = {}  # rid -> [outputs planned, blocks]
     finished: list[str] = []
     out_tokens, steps, prefill_steps, max_batch = 0, 0, 0, 0
