@@ -46,7 +46,9 @@ TASKS = ["Repeat the following text exactly:\n{}", "Fix any typos and return the
          "Copy this text, word for word:\n{}"]
 METHODS = {"off": None,
            "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
-           "suffix": {"method": "suffix", "num_speculative_tokens": 4}}
+           "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+           # the draft model's directory is filled in by main(): --draft-model, or the model drafting for itself
+           "draft_model": {"method": "draft_model", "num_speculative_tokens": 4}}
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -91,6 +93,30 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
     return outputs, time.perf_counter() - t0, steps
 
 
+def truncated_copy(model_dir, layers: int) -> str:
+    """A copy of an HF model directory keeping its first `layers` decoder layers: a drafter
+    with the same tokenizer, embeddings and head (the bench's stand-in for a smaller sibling)."""
+    import shutil
+    import tempfile
+    from safetensors.torch import load_file, save_file
+    src = pathlib.Path(model_dir)
+    out = pathlib.Path(tempfile.mkdtemp(prefix=f"draft-{layers}l-"))
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            if ".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= layers:
+                continue
+            tensors[k] = v
+    save_file(tensors, str(out / "model.safetensors"))
+    return str(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir")
@@ -102,10 +128,15 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--methods", default="off,ngram,suffix")
     ap.add_argument("--dynamic", action="store_true", help="let the cost model choose K (default: always K)")
+    ap.add_argument("--draft-model", help="method draft_model's directory (default: the model drafting for itself)")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="draft_model: a copy of the model keeping only its first N layers (a smaller drafter "
+                         "with the same tokenizer)")
     ap.add_argument("--out", default="bench/results/spec_decode.json")
     a = ap.parse_args()
     dev = torch.device(a.device)
     block = 16
+    draft_dir = a.draft_model
     if a.random_8b:
         from gpu_decode import build_model, llama31_8b_config
         cfg = dataclasses.replace(llama31_8b_config(), eos_token_ids=(2,))
@@ -121,6 +152,7 @@ def main() -> int:
             from services.models.gguf_to_hf import convert_gguf_to_hf
             model_dir = convert_gguf_to_hf(a.gguf, pathlib.Path(tempfile.mkdtemp()))
         model = load_model(model_dir, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, 2048)
+        draft_dir = a.draft_model or (truncated_copy(model_dir, a.draft_layers) if a.draft_layers else str(model_dir))
         tok_dir = pathlib.Path(model_dir)
         name = tok_dir.name
     from tokenizers import Tokenizer
@@ -144,10 +176,19 @@ def main() -> int:
             spec_json = METHODS[method]
             if spec_json is not None and not a.dynamic:
                 spec_json = {**spec_json, "dynamic_k": [[1, 100000, spec_json["num_speculative_tokens"]]]}
+            if spec_json is not None and spec_json["method"] == "draft_model":
+                spec_json = {**spec_json, "model": draft_dir}
             spec = parse_spec_config(spec_json) if spec_json else None
-            runner.spec = SpecDecoder(spec, name) if spec else None
-            if runner.spec is not None and a.dynamic:
-                runner.spec.calibrate(runner, max_tokens=512 if dev.type == "cuda" else 48)
+            runner.spec = None
+            if spec is not None:
+                draft = None
+                if spec.method == "draft_model":
+                    from services.worker.spec.draft_model import load_draft_model
+                    draft = load_draft_model(spec, model, runner.num_blocks, block, dtype=model.dtype,
+                                             max_num_tokens=runner.max_num_tokens, cuda_graphs=True)
+                runner.enable_spec(SpecDecoder(spec, name, draft=draft))
+                if a.dynamic:
+                    runner.spec.calibrate(runner, max_tokens=512 if dev.type == "cuda" else 48)
             drive(runner, prompts[:1], 8, 1, spec.num_speculative_tokens if spec else 0, eos, block)   # warm-up
             outs, secs, steps = drive(runner, prompts, a.max_new, conc, spec.num_speculative_tokens if spec else 0,
                                       eos, block)

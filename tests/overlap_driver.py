@@ -54,7 +54,7 @@ def run(model, ps, samplings, *, overlap: bool, num_blocks=64, budget=64, execut
         if draft_model is not None:
             from services.worker.spec.draft_model import DraftModel
             draft = DraftModel(draft_model, draft_blocks or info.num_kv_blocks, BLOCK)
-        runner.spec = SpecDecoder(spec, draft=draft)
+        runner.enable_spec(SpecDecoder(spec, draft=draft))
     if watch is not None:
         watch(runner)
     if executor is not None:

@@ -63,6 +63,7 @@ class GpuExecutor:
         self.graph_sizes = sorted(b for b in (graph_sizes or ()) if b <= max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.verify = None            # gpu_verify.VerifyGraphs with speculative decoding
 
     # ---- inputs ---------------------------------------------------------------------------
     def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], pad_to: int = 0,
@@ -80,20 +81,8 @@ class GpuExecutor:
         n64[3, :t] = -1 if src is None else src
         pos = np.asarray(positions, dtype=np.int64)
         n64[1, :t] = pos
-        counts = np.empty(n, dtype=np.int64)
-        owners, tables = st.row_owner, st.n_tables
-        for i, sq in enumerate(seqs):
-            nb = -(-sq.context_len // bs)
-            blocks = sq.block_ids
-            # Block tables only grow (the runner extends each request's list in place), so a row
-            # that held this very list in this buffer needs only its new blocks written.
-            owner, written = owners[i]
-            start = written if owner is blocks and written <= nb else 0
-            if start < nb:
-                tables[i, start:nb] = blocks[start:nb]
-            owners[i] = (blocks, nb)
-            st.n_lens[i] = sq.context_len
-            counts[i] = sq.num_scheduled_tokens
+        counts = fill_tables(st, seqs, bs)
+        tables = st.n_tables
         st.n_qsl[0] = 0
         st.n_qsl[1:n + 1] = np.cumsum(counts)
         seq_of_token = np.repeat(np.arange(n), counts)                            # [T]
@@ -132,6 +121,10 @@ class GpuExecutor:
         if t > self.max_tokens or n > self.max_seqs:
             raise ValueError(f"step of {t} tokens / {n} sequences exceeds the executor's "
                              f"{self.max_tokens} / {self.max_seqs}")
+        if self.verify is not None and t > n and not keep_hidden and sample_rows:
+            key = self.verify.key(seqs, t, sample_rows)
+            if key is not None:
+                return self.verify.run(key, ids, positions, seqs, src), None
         decode_only = t == n and len(sample_rows) == n and not keep_hidden
         bucket = next((b for b in self.graph_sizes if b >= n), None) if decode_only else None
         if bucket is not None:
@@ -184,6 +177,15 @@ class GpuExecutor:
                 self._stage([], [], [], pad_to=b)   # padding rows only: nothing touches the cache
                 self._capture(b)
 
+    def capture_verify(self, max_drafts: int) -> float:
+        """Speculative decoding: graphs for verify steps of up to max_drafts drafts per row
+        (gpu_verify.py) -> seconds taken. Nothing with eager execution (no decode graphs)."""
+        if not self.graph_sizes:
+            return 0.0
+        from services.worker.gpu_verify import VerifyGraphs
+        self.verify = VerifyGraphs(self, max_drafts)
+        return self.verify.capture_all()
+
     def capture_at_startup(self) -> float:
         """capture_all, timed and logged in one line -> seconds taken. A failed capture (e.g. out
         of memory) leaves the executor running every step eagerly: the worker serves, slower."""
@@ -201,6 +203,25 @@ class GpuExecutor:
         log.info("captured %d decode CUDA graphs in %.1f s (batch sizes %d..%d)", len(self.graphs), took,
                  self.graph_sizes[0], self.graph_sizes[-1])
         return took
+
+
+def fill_tables(st: "_Staging", seqs: list[SeqSchedule], bs: int) -> np.ndarray:
+    """Block tables and context lengths of `seqs` into a staging set -> their query counts."""
+    counts = np.empty(len(seqs), dtype=np.int64)
+    owners, tables = st.row_owner, st.n_tables
+    for i, sq in enumerate(seqs):
+        nb = -(-sq.context_len // bs)
+        blocks = sq.block_ids
+        # Block tables only grow (the runner extends each request's list in place), so a row
+        # that held this very list in this buffer needs only its new blocks written.
+        owner, written = owners[i]
+        start = written if owner is blocks and written <= nb else 0
+        if start < nb:
+            tables[i, start:nb] = blocks[start:nb]
+        owners[i] = (blocks, nb)
+        st.n_lens[i] = sq.context_len
+        counts[i] = sq.num_scheduled_tokens
+    return counts
 
 
 class _Staging:

@@ -65,7 +65,7 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
             from services.worker.spec.draft_model import load_draft_model
             draft = load_draft_model(spec, model, runner.num_blocks, runner.block_size, dtype=cfg.torch_dtype,
                                      max_num_tokens=runner.max_num_tokens, cuda_graphs=not cfg.enforce_eager)
-        runner.spec = SpecDecoder(spec, cfg.served_model_name, draft=draft)
+        runner.enable_spec(SpecDecoder(spec, cfg.served_model_name, draft=draft))
         # The CPU's steps are slow and grow with their tokens from the start: a short curve.
         runner.spec.calibrate(runner, max_tokens=min(512 if device.type == "cuda" else 48, runner.max_num_tokens))
     if cfg.overlap_steps != "auto":

@@ -199,8 +199,17 @@ class ModelRunner:
             # Every decode graph now, against this cache, not in the middle of serving (where the
             # first step of each batch size would stall for its capture).
             self.graph_capture_s = self.gpu.capture_at_startup()
+            if self.spec is not None:
+                self.graph_capture_s += self.gpu.capture_verify(self.spec.cfg.num_speculative_tokens)
         if self.tier_config is not None:
             self._build_tiers()
+
+    def enable_spec(self, decoder) -> None:
+        """Speculative decoding (spec.decoder.SpecDecoder); on a GPU its verify steps get CUDA
+        graphs (gpu_verify.py), captured now against the current cache."""
+        self.spec = decoder
+        if self.gpu is not None and self.gpu.graph_sizes:
+            self.graph_capture_s += self.gpu.capture_verify(decoder.cfg.num_speculative_tokens)
 
     def enable_kv_tiers(self, config) -> None:
         """Tier-1 host offload and/or kvstore fetches and saves (kv_tiers.TierConfig)."""
@@ -332,6 +341,7 @@ class ModelRunner:
             scheduled.append(_Scheduled(state, start, r.num_scheduled_tokens,
                                         r.num_spec_tokens if self.spec is not None else 0))
         if self.spec is not None:
+            self.spec.acceptance.tick()
             self._assign_drafts(scheduled)
         return scheduled
 
@@ -386,6 +396,7 @@ class ModelRunner:
             # read it after the forward is launched (_launch).
             for p in list(self._unresolved[:-1] if self.overlap else self._unresolved):
                 self._resolve(p)
+            t_host = time.perf_counter()
             scheduled = self._apply(plan)
             if plan.has_tier_work:   # stream-ordered before the forward (kv_tiers.py)
                 self.tiers.apply_host_copies(plan)
@@ -396,6 +407,8 @@ class ModelRunner:
                     self.tiers.refuse_saves(plan.tier_saves)
                 return PendingStep(plan.step_id, [], [], None, t0, sampled={})
             step = self._launch(plan.step_id, scheduled, t0)
+            if self.spec is not None and self.overlap and not any(s.drafts for s in scheduled):
+                self.spec.host_time(time.perf_counter() - t_host)   # what a sync would expose
             if plan.tier_saves:   # right behind the forward that computed them
                 saved = True
                 self.tiers.save(plan.tier_saves)

@@ -98,3 +98,56 @@ def test_the_decoder_skips_the_sync_when_no_draft_can_pay():
     d.spec_cost = StepCostModel([(2, 0.0011), (320, 0.0015)])       # verify nearly free
     d.acceptance.prior = 0.8
     assert d.worth_trying([("a", 4)], 1, 1)
+
+
+def test_the_sync_a_speculating_step_costs_counts_against_its_drafts():
+    # A flat cost curve: drafts are free on the device; what decides is the overlap given up.
+    flat = StepCostModel([(1, 0.002), (512, 0.002)])
+    reqs = [(0.3, 4)] * 32
+    assert any(choose_k(flat, 32, reqs)), "free drafts pay when the sync costs nothing (CPU)"
+    assert choose_k(flat, 32, reqs, sync_s=0.004) == [0] * 32, "a sync dearer than the drafts' gain: none"
+    assert any(choose_k(flat, 1, [(0.9, 4)], sync_s=0.001)), "a likely run still pays for its sync"
+
+
+def test_a_low_rate_drifts_back_to_the_prior_so_the_request_is_tried_again():
+    from services.worker.spec.dynamic_k import REVISIT_STEPS
+    t = AcceptanceTracker(prior=0.5)
+    for _ in range(12):
+        t.update("a", 4, 0)
+    low = t.rate("a")
+    assert low < 0.05
+    for _ in range(REVISIT_STEPS // 2):
+        t.tick()
+    assert low < t.rate("a") < t.prior
+    for _ in range(REVISIT_STEPS):
+        t.tick()
+    assert t.rate("a") == pytest.approx(t.prior)
+    t.found("b", False)
+    assert t.hit("b") < 1 and t.rate("b") == t.prior, "nothing to propose is not a rejection"
+    for _ in range(REVISIT_STEPS):
+        t.tick()
+    assert t.hit("b") == pytest.approx(1.0), "and the proposer is asked again later"
+
+
+def test_rows_that_seldom_have_a_proposal_stop_costing_syncs():
+    from services.worker.spec.decoder import SpecDecoder
+    d = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4}))
+    d.plain_cost = StepCostModel([(1, 0.010), (64, 0.010)])
+    d.spec_cost = StepCostModel([(1, 0.010), (320, 0.011)])
+    rows = [(f"r{i}", 4) for i in range(8)]
+    for i in range(8):
+        d.start(f"r{i}", [10 + i, 20 + i, 30 + i], 0)     # no n-gram repeats: nothing to propose
+    assert d.worth_trying(rows, 8, 8)
+    for _ in range(12):
+        assert d.drafts(rows, 8, 8) == {}
+    assert not d.worth_trying(rows, 8, 8), "seldom anything to draft: the sync does not pay"
+    assert d.acceptance.rate("r0") == d.acceptance.prior
+
+
+def test_a_draft_model_drafts_one_k_for_the_step_from_both_step_costs():
+    from services.worker.spec.dynamic_k import choose_uniform_k
+    verify = StepCostModel([(1, 0.010), (256, 0.011)])
+    cheap, dear = StepCostModel([(1, 0.0005), (64, 0.0006)]), StepCostModel([(1, 0.010), (64, 0.011)])
+    assert choose_uniform_k(verify, 1, [(0.9, 8)], cheap, plain=verify) >= 4, "a cheap drafter drafts deep"
+    assert choose_uniform_k(verify, 1, [(0.9, 8)], dear, plain=verify) == 0, "one as dear as the target never pays"
+    assert choose_uniform_k(verify, 4, [(0.9, 2), (0.9, 8)] * 2, cheap, plain=verify) >= 2

@@ -43,6 +43,9 @@ class SpecDecoder:
         self.cfg = cfg
         self.draft = draft
         self.draft_cost: StepCostModel | None = None   # a draft decode step per batch (calibrate)
+        # What a speculating step loses with its overlap: the host's time to build a step (the
+        # runner measures it while steps overlap; 0 without overlap, where nothing is lost).
+        self.sync_s = 0.0
         self.cache = (SuffixCache(cfg.suffix_max_depth, cfg.suffix_cache_outputs)
                       if cfg.method == "suffix" else None)
         self.proposers: dict[str, object] = {}
@@ -102,6 +105,8 @@ class SpecDecoder:
             return self.draft.propose([(rid, min(room, k)) for rid, room in rows]) if k else {}
         proposals = {rid: self.proposers[rid].propose(room) for rid, room in rows
                      if room > 0 and rid in self.proposers}
+        for rid, p in proposals.items():   # how often reading the previous step found something to draft
+            self.acceptance.found(rid, bool(p))
         proposals = {rid: p for rid, p in proposals.items() if p}
         if not proposals:
             return {}
@@ -112,7 +117,7 @@ class SpecDecoder:
             return proposals
         ids = list(proposals)
         ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), len(proposals[r])) for r in ids],
-                      plain=self.plain_cost)
+                      plain=self.plain_cost, sync_s=self.sync_s)
         return {rid: proposals[rid][:k] for rid, k in zip(ids, ks) if k}
 
     def worth_trying(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> bool:
@@ -126,15 +131,23 @@ class SpecDecoder:
         if self.draft is not None:
             return self._draft_k(rows, base_tokens, batch) > 0
         rates = [(self.acceptance.rate(r), room) for r, room in rows]
+        hits = [self.acceptance.hit(r) for r, _ in rows]
         # A bound first (a few cost lookups, every step): all rows at the best rate drafting the
         # same K. If no K pays even so, no allocation does; else ask the full allocation.
         a, n = max(r for r, _ in rates), len(rates)
         plain = batch / (self.plain_cost or self.spec_cost).cost(base_tokens)
         k_max = max(room for _, room in rates)
-        if not any((batch + n * sum(a ** j for j in range(1, k + 1))) / self.spec_cost.cost(base_tokens + n * k)
-                   > MIN_GAIN * plain for k in sorted({1, 2, k_max})):
+        if not any((batch + max(hits) * n * sum(a ** j for j in range(1, k + 1)))
+                   / (self.spec_cost.cost(base_tokens + n * k) + self.sync_s) > MIN_GAIN * plain
+                   for k in sorted({1, 2, k_max})):
             return False
-        return any(choose_k(self.spec_cost, base_tokens, rates, plain=self.plain_cost))
+        # The allocation if every row had a proposal, weighed by how often one has one: the sync
+        # is paid whether or not the proposers find anything.
+        ks = choose_k(self.spec_cost, base_tokens, rates, plain=self.plain_cost, sync_s=self.sync_s)
+        if not any(ks):
+            return False
+        emitted = batch + sum(h * sum(r ** j for j in range(1, k + 1)) for (r, _), h, k in zip(rates, hits, ks))
+        return emitted / (self.spec_cost.cost(base_tokens + sum(ks)) + self.sync_s) > MIN_GAIN * plain
 
     def _draft_k(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> int:
         """The draft model's K for this step (one for every row: it drafts in lock-step)."""
@@ -145,7 +158,7 @@ class SpecDecoder:
         if self.spec_cost is None or self.draft_cost is None:   # not calibrated: draft fully
             return k_max
         return choose_uniform_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
-                                self.draft_cost, plain=self.plain_cost)
+                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.update(request_id, drafted, accepted)
@@ -161,6 +174,10 @@ class SpecDecoder:
 
     def stepped(self) -> None:
         self._steps.inc()
+
+    def host_time(self, seconds: float) -> None:
+        """The host's time to build and launch an overlapped step (an EWMA: sync_s)."""
+        self.sync_s = seconds if not self.sync_s else 0.9 * self.sync_s + 0.1 * seconds
 
     # ---- cost model -------------------------------------------------------------------------
     def calibrate(self, runner, max_tokens: int = 512) -> None:

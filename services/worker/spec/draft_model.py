@@ -81,7 +81,9 @@ class DraftModel:
             self.gpu = GpuExecutor(self.model, self.kv_caches, block_size, max_num_tokens=self.max_tokens,
                                    graph_sizes=DRAFT_GRAPH_SIZES if self.cuda_graphs else None)
             if self.cuda_graphs:
-                took = self.gpu.capture_at_startup()
+                # Decode steps replay decode graphs; catch-ups of 2 tokens a row (after a run
+                # accepted whole) replay verify graphs of q = 2 (gpu_verify.py).
+                took = self.gpu.capture_at_startup() + self.gpu.capture_verify(1)
                 log.info("draft model: decode graphs captured in %.2fs", took)
         log.info("draft model KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
                  num_blocks * self.model.kv_bytes_per_block(block_size, self.model.dtype) / 2**30)
@@ -216,7 +218,13 @@ class DraftModel:
                 if last:
                     rows.append(len(ids) - 1)
                     ended.append(i)
-            logits = self._forward(ids, positions, seqs, rows)
+            if self.gpu is not None and self.gpu.verify is not None and len(rows) == len(seqs) \
+                    and max(p[2] for p in pieces) == 2:
+                # Every row's logits (a verify graph's shape), then the last of each sequence.
+                every = self._forward(ids, positions, seqs, list(range(len(ids))))
+                logits = every.index_select(0, torch.tensor(rows, dtype=torch.long, device=every.device))
+            else:
+                logits = self._forward(ids, positions, seqs, rows)
             if ended:
                 firsts.index_copy_(0, torch.tensor(ended, dtype=torch.long, device=firsts.device),
                                    logits.argmax(dim=1))

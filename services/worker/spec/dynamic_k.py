@@ -30,12 +30,13 @@ class StepCostModel:
         self.points = sorted(self.points)
         if not self.points or any(t <= 0 or s <= 0 for t, s in self.points):
             raise ValueError("the step cost model needs points with tokens > 0 and seconds > 0")
+        self._xs = [t for t, _ in self.points]     # cost() runs many times per step
 
     def cost(self, tokens: int) -> float:
         pts = self.points
         if len(pts) == 1:
             return pts[0][1] * max(tokens, 1) / pts[0][0] if tokens > pts[0][0] else pts[0][1]
-        i = bisect.bisect_left([t for t, _ in pts], tokens)
+        i = bisect.bisect_left(self._xs, tokens)
         if i == 0:
             return pts[0][1]
         (t0, s0), (t1, s1) = pts[min(i, len(pts) - 1) - 1], pts[min(i, len(pts) - 1)]
@@ -43,15 +44,17 @@ class StepCostModel:
 
 
 def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]],
-             plain: StepCostModel | None = None) -> list[int]:
+             plain: StepCostModel | None = None, sync_s: float = 0.0) -> list[int]:
     """requests: (acceptance rate, drafts available) per decoding request; base_tokens: the step's
     tokens without drafts; `cost`: the time of a step that verifies drafts, `plain` (default:
-    the same) of one that does not (on a GPU a plain decode step replays a CUDA graph).
+    the same) of one that does not (on a GPU a plain decode step replays a CUDA graph); sync_s:
+    what a speculating step adds for giving up its overlap with the host (the host's time to
+    build a step, which a plain step hides behind the one before).
     -> K per request (0: no speculation for it this step)."""
     ks = [0] * len(requests)
     emitted = float(len(requests))
     tokens = base_tokens
-    best, best_ks = emitted / cost.cost(tokens), list(ks)
+    best, best_ks = emitted / (cost.cost(tokens) + sync_s), list(ks)
     heap = [(-a, i) for i, (a, avail) in enumerate(requests) if avail > 0 and a > 0]
     heapq.heapify(heap)
     since_best = 0
@@ -65,7 +68,7 @@ def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, 
         a, avail = requests[i]
         if ks[i] < avail:
             heapq.heappush(heap, (-(a ** (ks[i] + 1)), i))
-        rate = emitted / cost.cost(tokens)
+        rate = emitted / (cost.cost(tokens) + sync_s)
         if rate > best:
             best, best_ks, since_best = rate, list(ks), 0
         else:
@@ -78,7 +81,7 @@ def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, 
 
 
 def choose_uniform_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]],
-                     draft_cost: StepCostModel, plain: StepCostModel | None = None) -> int:
+                     draft_cost: StepCostModel, plain: StepCostModel | None = None, sync_s: float = 0.0) -> int:
     """A draft model drafts every row in lock-step (K decode steps of the draft for the batch),
     so its K is one number for the step: the K that maximises emitted tokens per second, where
     a step costs the target's verify of base + drafts tokens plus K draft steps of the batch;
@@ -92,21 +95,51 @@ def choose_uniform_k(cost: StepCostModel, base_tokens: int, requests: list[tuple
     for k in range(1, max(avail for _, avail in requests) + 1):
         ks = [min(k, avail) for _, avail in requests]
         emitted = n + sum(sum(a ** j for j in range(1, kk + 1)) for (a, _), kk in zip(requests, ks))
-        rate = emitted / (cost.cost(base_tokens + sum(ks)) + k * step)
+        rate = emitted / (cost.cost(base_tokens + sum(ks)) + k * step + sync_s)
         if rate > best:
             best_k, best = k, rate
     return best_k
 
 
+REVISIT_STEPS = 32      # a rate not updated for this many steps is back at the prior
+
+
 @dataclass
 class AcceptanceTracker:
-    """Per-request acceptance rates, and the method's over recent requests (their prior)."""
+    """Per-request acceptance rates, and the method's over recent requests (their prior). A rate
+    drifts back to the prior while it is not updated (REVISIT_STEPS), so a request whose drafts
+    stopped paying is tried again later: a low rate is never final."""
     prior: float = 0.5
     weight: float = 0.3          # EWMA weight of the newest step
     rates: dict[str, float] = field(default_factory=dict)
+    updated: dict[str, int] = field(default_factory=dict)
+    hits: dict[str, float] = field(default_factory=dict)   # EWMA: the proposer had a draft when asked
+    found_at: dict[str, int] = field(default_factory=dict)
+    clock: int = 0               # steps (tick)
+
+    def tick(self) -> None:
+        self.clock += 1
 
     def rate(self, request_id: str) -> float:
-        return self.rates.get(request_id, self.prior)
+        r = self.rates.get(request_id)
+        if r is None:
+            return self.prior
+        age = self.clock - self.updated.get(request_id, self.clock)
+        return r + (self.prior - r) * min(1.0, age / REVISIT_STEPS) if age > 0 else r
+
+    def hit(self, request_id: str) -> float:
+        """How often its proposer had a draft when asked (1 until it was asked; drifts back to 1
+        while not asked, like the rate to the prior)."""
+        h = self.hits.get(request_id)
+        if h is None:
+            return 1.0
+        age = self.clock - self.found_at.get(request_id, self.clock)
+        return h + (1.0 - h) * min(1.0, age / REVISIT_STEPS) if age > 0 else h
+
+    def found(self, request_id: str, had_draft: bool) -> None:
+        old = self.hit(request_id)
+        self.hits[request_id] = (1 - self.weight) * old + self.weight * float(had_draft)
+        self.found_at[request_id] = self.clock
 
     def update(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -114,9 +147,13 @@ class AcceptanceTracker:
         # The share of drafts accepted underestimates the per-token rate a (k drafts accept
         # a + ... + a^k of them on average): a cautious estimate, which speculates a little less.
         share = accepted / proposed
-        old = self.rates.get(request_id, self.prior)
+        old = self.rate(request_id)
         self.rates[request_id] = (1 - self.weight) * old + self.weight * share
+        self.updated[request_id] = self.clock
         self.prior = 0.9 * self.prior + 0.1 * share
 
     def forget(self, request_id: str) -> None:
         self.rates.pop(request_id, None)
+        self.updated.pop(request_id, None)
+        self.hits.pop(request_id, None)
+        self.found_at.pop(request_id, None)
