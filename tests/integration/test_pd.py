@@ -86,6 +86,13 @@ def complete(m, prompt: str, **extra) -> dict:
     return r.json()
 
 
+def on_both(pd, mesh, fn):
+    """(fn(pd), fn(mesh)), the two meshes working at once (each sees one request at a time)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        got, want = ex.submit(fn, pd), ex.submit(fn, mesh)
+        return got.result(), want.result()
+
+
 def metric_urls(m) -> list[tuple[str, str]]:
     """(service name, /metrics url) from the launcher's services line."""
     log = open(m.log_path).read()
@@ -123,7 +130,7 @@ def check_handed_over(m, mesh, path: str, seed: int) -> None:
     before = handoffs(m, path)
     prompts = [passage(seed + i, 60 + 25 * i) for i in range(5)]
     for p in prompts:
-        got, want = complete(m, p), complete(mesh, p)
+        got, want = on_both(m, mesh, lambda x: complete(x, p))
         assert ids(got) == ids(want)
         n = got["usage"]["prompt_tokens"]
         # The decode engine got every full block: it computed only the last partial one.
@@ -144,25 +151,29 @@ def test_greedy_outputs_match_a_colocated_mesh_and_the_kv_was_handed_over_direct
 
 def test_sixteen_concurrent_requests_match_the_colocated_mesh(pd, mesh):
     prompts = [passage(300 + i, 40 + 7 * i) for i in range(16)]
-    with concurrent.futures.ThreadPoolExecutor(16) as ex:
-        got = list(ex.map(lambda p: ids(complete(pd, p)), prompts))
-        want = list(ex.map(lambda p: ids(complete(mesh, p)), prompts))   # batched there too
-    assert got == want
+    with concurrent.futures.ThreadPoolExecutor(32) as ex:   # the colocated mesh batches them too
+        got = [ex.submit(lambda p=p: ids(complete(pd, p))) for p in prompts]
+        want = [ex.submit(lambda p=p: ids(complete(mesh, p))) for p in prompts]
+        assert [f.result() for f in got] == [f.result() for f in want]
 
 
 def test_seeded_sampling_logprobs_n_and_stop_strings_match(pd, mesh):
     p = passage(400, 80)
     seeded = {"temperature": 0.9, "seed": 1234, "max_tokens": 12}
-    assert ids(complete(pd, p, **seeded)) == ids(complete(mesh, p, **seeded))
-    lp_pd, lp_co = complete(pd, p, logprobs=2), complete(mesh, p, logprobs=2)
+    got, want = on_both(pd, mesh, lambda m: complete(m, p, **seeded))
+    assert ids(got) == ids(want)
+    lp_pd, lp_co = on_both(pd, mesh, lambda m: complete(m, p, logprobs=2))
     a, b = lp_pd["choices"][0]["logprobs"], lp_co["choices"][0]["logprobs"]
     assert a["tokens"] == b["tokens"]
     assert [round(x, 3) for x in a["token_logprobs"]] == [round(x, 3) for x in b["token_logprobs"]]
     penalized = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "max_tokens": 16}
-    assert ids(complete(pd, p, **penalized)) == ids(complete(mesh, p, **penalized))
-    three = complete(pd, p, n=3, temperature=0.8, seed=5)
+    got, want = on_both(pd, mesh, lambda m: complete(m, p, **penalized))
+    assert ids(got) == ids(want)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        three = ex.submit(complete, pd, p, n=3, temperature=0.8, seed=5)
+        full = ex.submit(complete, mesh, p, max_tokens=10).result()["choices"][0]["text"]
+        three = three.result()
     assert len(three["choices"]) == 3 and all(len(ids(three, i)) == 10 for i in range(3))
-    full = complete(mesh, p, max_tokens=10)["choices"][0]["text"]
     stop = full.strip().split()[1] if len(full.strip().split()) > 1 else full[:3]
     cut = complete(pd, p, stop=[stop])
     assert cut["choices"][0]["finish_reason"] == "stop" and stop not in cut["choices"][0]["text"]
@@ -177,11 +188,11 @@ def test_structured_output_continues_its_grammar_on_the_decode_engine(pd, mesh):
     body = {"messages": [{"role": "user", "content": passage(450, 60) + " Describe a person as JSON."}],
             "max_tokens": 64, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
-    outs = []
-    for m in (pd, mesh):
+    def content(m) -> str:
         r = httpx.post(f"{m.http_url}/v1/chat/completions", json={"model": m.model_name, **body}, timeout=180)
         assert r.status_code == 200, r.text
-        outs.append(r.json()["choices"][0]["message"]["content"])
+        return r.json()["choices"][0]["message"]["content"]
+    outs = on_both(pd, mesh, content)
     assert outs[0] == outs[1]
     person = json.loads(outs[0])
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
@@ -316,13 +327,16 @@ def test_a_decode_engine_too_late_for_its_lease_loads_from_the_kvstore_and_the_b
 
 
 def test_the_prefill_engine_killed_during_a_long_prefill_still_completes(pd, mesh):
-    p = passage(800, 1400)            # a long prompt: its prefill takes seconds on the CPU
+    p = passage(800, 700)             # ~700 tokens: its prefill takes over a second on the CPU
     want = ids(complete(mesh, p))
     engine = replicas(pd)["engine-0"]
+    worker = next(pid for pid in engine.pids if service_name(pid) == "worker")
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(complete, pd, p)
-        time.sleep(0.8)
-        worker = next(pid for pid in engine.pids if service_name(pid) == "worker")
+        deadline = time.monotonic() + 30
+        while load(pd, "engine-0").num_running == 0:   # the prefill is under way
+            assert time.monotonic() < deadline and not fut.done(), "the prefill engine never ran it"
+            time.sleep(0.02)
         os.kill(worker, signal.SIGKILL)
         got = fut.result(timeout=180)
     assert ids(got) == want
