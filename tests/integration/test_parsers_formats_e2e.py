@@ -6,6 +6,7 @@ XML parameters, arguments streamed in fragments); the formats themselves are pin
 text by tests/unit/test_parsers_golden.py."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import pytest
@@ -37,24 +38,36 @@ def _messages(shot: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def clients(mesh):
-    gateways = {name: start_gateway(mesh, "--tool-call-parser", name) for name in SHOTS}
+    with concurrent.futures.ThreadPoolExecutor(len(SHOTS)) as pool:
+        gateways = dict(zip(SHOTS, pool.map(lambda name: start_gateway(mesh, "--tool-call-parser", name), SHOTS)))
     yield {name: OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="unused", timeout=120,
                         max_retries=0) for name, gw in gateways.items()}
     for gw in gateways.values():
         gw.stop()
 
 
+@pytest.fixture(scope="module")
+def answers(clients, mesh):
+    """Every parser's whole and streamed answer, all asked at once (the engine batches the eight
+    sequences; one or two at a time cost nearly as much each): {parser: (whole, chunks) futures}."""
+    def ask(parser: str, stream: bool):
+        args = dict(model=mesh.model_name, messages=_messages(SHOTS[parser]), tools=TOOLS, max_tokens=128,
+                    temperature=0)
+        if stream:
+            return list(clients[parser].chat.completions.create(stream=True, **args))
+        return clients[parser].chat.completions.create(**args).choices[0]
+    with concurrent.futures.ThreadPoolExecutor(2 * len(SHOTS)) as pool:
+        yield {parser: (pool.submit(ask, parser, False), pool.submit(ask, parser, True)) for parser in SHOTS}
+
+
 @pytest.mark.parametrize("parser", sorted(SHOTS))
-def test_a_call_in_the_parsers_format_comes_back_as_tool_calls_whole_and_streamed(clients, mesh, parser):
-    args = dict(model=mesh.model_name, messages=_messages(SHOTS[parser]), tools=TOOLS, max_tokens=128,
-                temperature=0)
-    whole = clients[parser].chat.completions.create(**args).choices[0]
+def test_a_call_in_the_parsers_format_comes_back_as_tool_calls_whole_and_streamed(answers, parser):
+    whole, chunks = (f.result(timeout=240) for f in answers[parser])
     assert whole.finish_reason == "tool_calls", whole
     [call] = whole.message.tool_calls
     assert call.function.name == "get_weather" and not whole.message.content
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}   # days typed by the schema
 
-    chunks = list(clients[parser].chat.completions.create(stream=True, **args))
     deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
     fragments = [d.function.arguments for d in deltas[1:] if d.function.arguments]
