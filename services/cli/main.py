@@ -41,8 +41,9 @@ def _serve_parser(prog: str, with_model: bool) -> argparse.ArgumentParser:
                    help="KV cache storage: auto = the model's dtype; fp8 = float8 e4m3, scale 1.0 "
                         "(twice the blocks per byte of bf16; see docs/gpu.md)")
     p.add_argument("--speculative-config", default="",
-                   help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"suffix\", "
+                   help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"suffix\"|\"draft_model\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_min\"/\"prompt_lookup_max\", "
+                        "\"model\": DRAFT_DIR (draft_model: same tokenizer as the target), "
                         "\"dynamic_k\": [[min_batch, max_batch, K], ...]} (docs/speculative_decoding.md); off by default")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="fp8: FP8 (e4m3) projection weights with per-channel scales computed at load "
