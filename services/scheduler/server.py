@@ -327,8 +327,9 @@ class Engine:
     async def reset_prefix_cache(self, tiers: bool = False) -> tuple[int, int, int]:
         """Flush the prefix cache of unused blocks at the loop's next step boundary, so it
         never interleaves with schedule()/update(); with `tiers` also tier 1's index and this
-        engine's namespace in the kvstore. Returns (flushed, still cached, kvstore blocks flushed:
-        -1 when there is no kvstore or it did not answer)."""
+        engine's namespaces in the kvstore (one per tensor-parallel rank). Returns (flushed, still
+        cached, kvstore blocks flushed over every rank: -1 when there is no kvstore or it did not
+        answer)."""
         done = asyncio.get_running_loop().create_future()
         # Calls that timed out while the loop was stuck leave cancelled futures: drop them.
         self._flushes = [f for f in self._flushes if not f.done()]
@@ -337,10 +338,24 @@ class Engine:
         flushed, cached = await done
         kv_flushed = -1
         if tiers and self.kv is not None and self.info is not None and self.info.HasField("kv_namespace"):
-            n = await asyncio.get_running_loop().run_in_executor(self._kv_threads, self.kv.flush,
+            n = await asyncio.get_running_loop().run_in_executor(self._kv_threads, self._flush_ranks,
                                                                  self.info.kv_namespace)
             kv_flushed = -1 if n is None else n
         return flushed, cached, kv_flushed
+
+    def _flush_ranks(self, ns) -> int | None:
+        """The worker reports rank 0's namespace; rank r's differs only in tp_rank (its shard has
+        the same bytes per block: the heads split evenly)."""
+        total = 0
+        for rank in range(max(1, ns.tp_size)):
+            rank_ns = type(ns)()
+            rank_ns.CopyFrom(ns)
+            rank_ns.tp_rank = rank
+            n = self.kv.flush(rank_ns)
+            if n is None:
+                return None
+            total += n
+        return total
 
     def _run_flushes(self) -> None:
         if not self._flushes:

@@ -66,9 +66,21 @@ def _is_rank0_worker(pid: int) -> bool:
     return b"services.worker" in argv and b"--tp-rank" not in argv
 
 
+ADMIN = "admin-key-pdtp-0001"
+
+
+def kvstore_blocks(m) -> int:
+    from services.common.kv_client import KvClient
+    client = KvClient(m.services()["kvstore"])
+    try:
+        return client.stats().blocks
+    finally:
+        client.close()
+
+
 def test_tp2_prefill_and_decode_engines_hand_off_every_ranks_shard(tiny_dir):
     m = start_mesh(str(tiny_dir), "--prefill-replicas", "1", "--decode-replicas", "1", "--tensor-parallel-size", "2",
-                   "--max-model-len", "256", "--num-kv-blocks", "128", ready_timeout_s=120)
+                   "--max-model-len", "256", "--num-kv-blocks", "128", "--admin-api-key", ADMIN, ready_timeout_s=120)
     seen = set(m.service_pids())
     try:
         workers = [pid for pid in m.service_pids() if _is_rank0_worker(pid)]
@@ -86,5 +98,14 @@ def test_tp2_prefill_and_decode_engines_hand_off_every_ranks_shard(tiny_dir):
             # The decode engine's ranks got every full block: they computed only the last partial one.
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
         assert direct_handoffs(m) >= before + 3
+        # Every rank saved its shard to the kvstore; a tiers reset flushes every rank's namespace.
+        deadline = time.monotonic() + 30
+        while kvstore_blocks(m) == 0:
+            assert time.monotonic() < deadline, "no rank saved to the kvstore"
+            time.sleep(0.2)
+        r = httpx.post(f"{m.http_url}/reset_prefix_cache", json={"tiers": True}, timeout=60,
+                       headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 200, r.text
+        assert r.json()["num_tier_blocks_flushed"] > 0 and kvstore_blocks(m) == 0, "a rank's blocks were left"
     finally:
         stop_checked(m, seen)
