@@ -151,3 +151,49 @@ def test_a_draft_model_drafts_one_k_for_the_step_from_both_step_costs():
     assert choose_uniform_k(verify, 1, [(0.9, 8)], cheap, plain=verify) >= 4, "a cheap drafter drafts deep"
     assert choose_uniform_k(verify, 1, [(0.9, 8)], dear, plain=verify) == 0, "one as dear as the target never pays"
     assert choose_uniform_k(verify, 4, [(0.9, 2), (0.9, 8)] * 2, cheap, plain=verify) >= 2
+
+
+def test_a_wave_of_new_requests_is_proposed_for_a_few_at_a_time():
+    from services.worker.spec.decoder import EXPLORE_ROWS, SpecDecoder
+    d = SpecDecoder(parse_spec_config({"method": "suffix", "num_speculative_tokens": 4, "suffix_min_prob": 0.0}))
+    for i in range(40):
+        d.start(f"r{i}", [5, 6, 7, 5, 6, 7, 5, 6], 0)
+    rows = [(f"r{i}", 4) for i in range(40)]
+
+    def indexed():   # requests whose context the proposer has indexed (asked at least once)
+        return {rid for rid, p in d.proposers.items() if p._indexed}
+    got = d.drafts(rows, 40, 40)
+    assert len(indexed()) == EXPLORE_ROWS and set(got) == indexed()
+    d.drafts(rows, 40, 40)
+    assert len(indexed()) == 2 * EXPLORE_ROWS, "the next step asks the next ones (and again the seen ones)"
+    d2 = SpecDecoder(parse_spec_config({"method": "suffix", "num_speculative_tokens": 4, "suffix_min_prob": 0.0}))
+    d2.start("solo", [5, 6, 7, 5, 6, 7, 5, 6], 0)
+    assert d2.drafts([("solo", 4)], 1, 1)["solo"], "one request: proposed at once"
+
+
+def test_syncs_that_draft_nothing_back_off_and_a_draft_resets_them():
+    """Proposals the cost model then declines (K = 0) still paid their sync: such steps in a row
+    make worth_trying say no for 1, 2, 4 .. steps."""
+    from services.worker.spec.decoder import MAX_BACKOFF, SpecDecoder
+    d = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}))
+    d.plain_cost = StepCostModel([(1, 0.010), (512, 0.010)])
+    d.spec_cost = StepCostModel([(1, 0.010), (512, 0.010)])
+    d.start("a", [5, 6, 5, 6, 5], 0)
+    rows = [("a", 4)]
+    d.sync_s = 0.03                          # a sync dearer than any draft's gain: K = 0 once proposed
+    assert d.worth_trying(rows, 1, 1) is False
+    d.sync_s = 0.0
+    waits = []
+    for _ in range(5):
+        d.sync_s = 0.03
+        assert d.drafts(rows, 1, 1) == {}    # proposed, declined
+        d.sync_s = 0.0
+        n = 0
+        while not d.worth_trying(rows, 1, 1):
+            d.acceptance.tick()
+            n += 1
+            assert n <= MAX_BACKOFF
+        waits.append(n)
+    assert waits == [1, 2, 4, 8, 16]
+    assert d.drafts(rows, 1, 1), "drafts again once the sync is cheap"
+    assert d.worth_trying(rows, 1, 1), "and a draft resets the back-off"

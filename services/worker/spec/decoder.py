@@ -25,6 +25,9 @@ from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
 log = logging.getLogger(__name__)
 
+EXPLORE_ROWS = 8     # never-asked requests proposed for per step (their first proposal indexes their context)
+MAX_BACKOFF = 64     # steps: the longest wait after syncs that drafted nothing
+
 
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
     """How many leading drafts equal the tokens sampled at their positions (sampled[j] is the
@@ -46,6 +49,8 @@ class SpecDecoder:
         # What a speculating step loses with its overlap: the host's time to build a step (the
         # runner measures it while steps overlap; 0 without overlap, where nothing is lost).
         self.sync_s = 0.0
+        self._wasted = 0                 # syncs in a row that drafted nothing
+        self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
         self.cache = (SuffixCache(cfg.suffix_max_depth, cfg.suffix_cache_outputs)
                       if cfg.method == "suffix" else None)
         self.proposers: dict[str, object] = {}
@@ -99,12 +104,34 @@ class SpecDecoder:
     # ---- per step ---------------------------------------------------------------------------
     def drafts(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> dict[str, list[int]]:
         """rows: (request id, most drafts allowed) of the step's decode rows with a budget;
-        base_tokens: the step's tokens without drafts; batch: its sequences -> drafts per row."""
+        base_tokens: the step's tokens without drafts; batch: its sequences -> drafts per row.
+        A step that read the previous one's tokens (paid the sync) and drafts nothing makes the
+        next syncs wait: 1, 2, 4 .. MAX_BACKOFF steps in a row of such steps (worth_trying)."""
+        out = self._drafts(rows, base_tokens, batch)
+        if rows and self.cfg.fixed_k(batch) is None:
+            self._wasted = 0 if out else self._wasted + 1
+            if self._wasted:
+                self._backoff_until = self.acceptance.clock + min(MAX_BACKOFF, 1 << (self._wasted - 1))
+        return out
+
+    def _drafts(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> dict[str, list[int]]:
         if self.draft is not None:
             k = self._draft_k(rows, base_tokens, batch)
             return self.draft.propose([(rid, min(room, k)) for rid, room in rows]) if k else {}
-        proposals = {rid: self.proposers[rid].propose(room) for rid, room in rows
-                     if room > 0 and rid in self.proposers}
+        # A request's first proposal indexes its whole context (the suffix tries): at most
+        # EXPLORE_ROWS never-asked rows a step, so a wave of new requests does not stall the host
+        # before the acceptance measured on the first ones has said whether drafting pays.
+        unseen = 0
+        asked = []
+        for rid, room in rows:
+            if room <= 0 or rid not in self.proposers:
+                continue
+            if not self.acceptance.seen(rid):
+                unseen += 1
+                if unseen > EXPLORE_ROWS:
+                    continue
+            asked.append((rid, room))
+        proposals = {rid: self.proposers[rid].propose(room) for rid, room in asked}
         for rid, p in proposals.items():   # how often reading the previous step found something to draft
             self.acceptance.found(rid, bool(p))
         proposals = {rid: p for rid, p in proposals.items() if p}
@@ -128,26 +155,28 @@ class SpecDecoder:
             return fixed > 0
         if self.spec_cost is None:
             return True
+        if self.acceptance.clock < self._backoff_until:   # the last syncs drafted nothing
+            return False
         if self.draft is not None:
             return self._draft_k(rows, base_tokens, batch) > 0
-        rates = [(self.acceptance.rate(r), room) for r, room in rows]
-        hits = [self.acceptance.hit(r) for r, _ in rows]
-        # A bound first (a few cost lookups, every step): all rows at the best rate drafting the
-        # same K. If no K pays even so, no allocation does; else ask the full allocation.
-        a, n = max(r for r, _ in rates), len(rates)
+        # Cheap enough for every step at any batch (no allocation search): the m rows most likely
+        # to pay (rate x how often they have a draft), each drafting k, for a few m and k. The
+        # sync is paid whether or not the proposers then find anything, hence the hit weights.
+        acc = self.acceptance
+        vals = sorted(((acc.rate(r) * acc.hit(r), acc.rate(r), acc.hit(r), room) for r, room in rows), reverse=True)
         plain = batch / (self.plain_cost or self.spec_cost).cost(base_tokens)
-        k_max = max(room for _, room in rates)
-        if not any((batch + max(hits) * n * sum(a ** j for j in range(1, k + 1)))
-                   / (self.spec_cost.cost(base_tokens + n * k) + self.sync_s) > MIN_GAIN * plain
-                   for k in sorted({1, 2, k_max})):
-            return False
-        # The allocation if every row had a proposal, weighed by how often one has one: the sync
-        # is paid whether or not the proposers find anything.
-        ks = choose_k(self.spec_cost, base_tokens, rates, plain=self.plain_cost, sync_s=self.sync_s)
-        if not any(ks):
-            return False
-        emitted = batch + sum(h * sum(r ** j for j in range(1, k + 1)) for (r, _), h, k in zip(rates, hits, ks))
-        return emitted / (self.spec_cost.cost(base_tokens + sum(ks)) + self.sync_s) > MIN_GAIN * plain
+        k_max = max(room for _, room in rows)
+        for k in sorted({1, 2, k_max}):
+            gain, tokens = 0.0, 0
+            sizes = {1, 8, 32, len(vals)}
+            for m, (_, a, h, room) in enumerate(vals, 1):
+                kk = min(k, room)
+                gain += h * sum(a ** j for j in range(1, kk + 1))
+                tokens += kk
+                if m in sizes and (batch + gain) / (self.spec_cost.cost(base_tokens + tokens) + self.sync_s) \
+                        > MIN_GAIN * plain:
+                    return True
+        return False
 
     def _draft_k(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> int:
         """The draft model's K for this step (one for every row: it drafts in lock-step)."""

@@ -127,6 +127,10 @@ class AcceptanceTracker:
         age = self.clock - self.updated.get(request_id, self.clock)
         return r + (self.prior - r) * min(1.0, age / REVISIT_STEPS) if age > 0 else r
 
+    def seen(self, request_id: str) -> bool:
+        """Was its proposer ever asked?"""
+        return request_id in self.hits or request_id in self.rates
+
     def hit(self, request_id: str) -> float:
         """How often its proposer had a draft when asked (1 until it was asked; drifts back to 1
         while not asked, like the rate to the prior)."""
