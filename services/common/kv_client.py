@@ -11,8 +11,11 @@ over the fastest data plane it can reach, and never an exception into the caller
     kv.set_arena_hooks(on_map, on_unmap)             # e.g. cudaHostRegister the mapping
 
 Planes, fastest first: the memory backend's block memory mapped here (same host: blocks are read
-and written in place, zero copy: Pin/Release, Reserve/Commit), a leased shared-memory window
-(same host, a backend that keeps nothing itself: Redis), gRPC bytes (any host).
+and written in place, zero copy: Pin/Release, Reserve/Commit; kv_shm.py), the same block memory
+over NIXL when it cannot be mapped here (another host or container: the same Pin / Reserve, the
+bytes moved by NIXL READ / WRITE through a registered staging buffer; kv_nixl.py), a leased
+shared-memory window (same host, a backend that keeps nothing itself: Redis), gRPC bytes (any
+host). `data_plane` forces one (a forced plane that is not there gives gRPC bytes).
 
 Every call has a deadline; a kvstore that is down, slow, restarted or full gives misses and
 dropped saves. A lost kvstore is logged once (and again when it is back), and calls made while
@@ -35,6 +38,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.common import kv_blocks
 from services.common.grpc_server import GRPC_OPTIONS
 from services.common.kv_blocks import checksum, copy_and_checksum, encode_put_request, kv_pb2
+from services.common.kv_nixl import DONE, FAILED, NixlPlane, NixlRemote
+from services.common.kv_shm import ArenaMapping, Window, boot_id, release_view
 from services.common.metrics import PREFIX, RPC_LATENCY_BUCKETS
 
 import services  # noqa: F401,E402
@@ -62,6 +67,8 @@ Fill = Callable[[int, list, list], object]         # fill(start, idx, views): vi
 _RESERVED = kv_pb2.KV_PUT_STATUS_RESERVED
 _KEPT = (kv_pb2.KV_PUT_STATUS_STORED, kv_pb2.KV_PUT_STATUS_EXISTS)
 KEEP_LOST_ARENA_S = 30.0   # a store lost this long: its arena is unmapped (its memory given back)
+NIXL_RETRY_S = 10.0        # after a failed NIXL transfer: gRPC bytes this long, then NIXL again
+DATA_PLANES = ("auto", "zero_copy", "nixl", "shm", "grpc")
 
 
 def _nbytes(buf) -> memoryview:
@@ -69,83 +76,19 @@ def _nbytes(buf) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _map_shared(resp: "kv_pb2.OpenArenaResponse", size: int) -> mmap.mmap:
-    """Map the first `size` bytes of the store's memfd, checked to be the store's: the path
-    names a pid's fd, which on another host or after pid reuse is someone else's."""
-    fd = os.open(resp.path, os.O_RDWR)
-    try:
-        if not len(resp.nonce) < size <= os.fstat(fd).st_size:
-            raise OSError("the shared memory is smaller than the kvstore says")
-        mm = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    if mm[:len(resp.nonce)] != resp.nonce:
-        mm.close()
-        raise OSError("the mapping is not the kvstore's shared memory")
-    return mm
-
-
-def _unmap(mm: mmap.mmap, view: memoryview) -> None:
-    view.release()
-    try:
-        mm.close()
-    except BufferError:   # a caller kept a view: the mapping goes with its last reference
-        pass
-
-
-class _Window:
-    """This client's leased window of the kvstore's shared memory (the Redis backend's plane)."""
-
-    def __init__(self, resp: "kv_pb2.OpenArenaResponse") -> None:
-        self._mm = _map_shared(resp, resp.window_offset + resp.window_bytes)
-        self.lease = kv_pb2.ShmWindow(lease_id=resp.lease_id)
-        self.view = memoryview(self._mm)[resp.window_offset:resp.window_offset + resp.window_bytes]
-        self.size = resp.window_bytes
-        self.lock = threading.Lock()
-
-    def close(self) -> None:
-        _unmap(self._mm, self.view)
-
-
-class _Arena:
-    """The kvstore's block memory (its memfd) mapped here whole, read-write: zero-copy reads and
-    writes name offsets in it. Unmapped only once retired and no transfer uses it."""
-
-    def __init__(self, resp: "kv_pb2.OpenArenaResponse") -> None:
-        self.mm = _map_shared(resp, resp.arena_bytes)
-        self.nonce = resp.nonce
-        self.size = resp.arena_bytes
-        self.view = memoryview(self.mm)
-        self.users = 0          # transfers using it now (under the client's lock)
-        self.retired = False
-
-    def slot(self, offset: int, size: int) -> memoryview | None:
-        """The block at [offset, offset + size), or None when the store named bytes outside the
-        arena (or its nonce): an answer is never trusted blindly."""
-        if offset < len(self.nonce) or size <= 0 or offset + size > self.size:
-            return None
-        return self.view[offset:offset + size]
-
-    def close(self) -> None:
-        _unmap(self.mm, self.view)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 class KvClient:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None, *,
                  use_shm: bool = True, window_bytes: int = 64 << 20, timeout_s: float = 1.0,
                  lookup_timeout_s: float = 0.25, min_gbps: float = 0.2, retry_after_s: float = 0.5,
                  max_retry_after_s: float = 5.0, copy_threads: int | None = None,
-                 chunk_bytes: int = 128 << 20) -> None:
+                 chunk_bytes: int = 128 << 20, data_plane: str = "auto", nixl_buffer_bytes: int = 128 << 20) -> None:
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         self.address = address
-        self.use_shm = use_shm
+        # The planes this client may use: "auto" all of them, fastest first; one named, only it
+        # (else gRPC bytes); use_shm=False is "grpc".
+        self.data_plane = data_plane if use_shm else "grpc"
+        self.use_shm = self.data_plane != "grpc"
         self.window_bytes = window_bytes
         self.chunk_bytes = chunk_bytes      # bytes per zero-copy Pin / Reserve call
         self.timeout_s = timeout_s
@@ -167,9 +110,15 @@ class KvClient:
         self._lost_since: float | None = None
         self._retry_at = 0.0
         self._backoff = retry_after_s
-        self._window: _Window | None = None
-        self._arena: _Arena | None = None
-        self._lease_id = 0                   # our zero-copy lease in self._arena (0: none)
+        self._window: Window | None = None
+        # The store's block memory: mapped here (zero copy) or reached over NIXL; the lease's plane.
+        self._arena: ArenaMapping | NixlRemote | None = None
+        self._lease_id = 0                   # our lease in self._arena (0: none)
+        # NIXL: this client's agent and staging buffer, made when first needed (False: unavailable).
+        # Slots hold one chunk each, and at least the largest block.
+        self._nixl_slot_bytes = max(kv_blocks.MAX_BLOCK_BYTES, min(chunk_bytes, nixl_buffer_bytes // 2))
+        self._nixl_slots = max(1, min(8, nixl_buffer_bytes // self._nixl_slot_bytes))
+        self._nixl: NixlPlane | bool | None = None
         self._lease_ttl_s = 0.0
         self._lease_used = 0.0
         self._open_retry_at = 0.0
@@ -262,14 +211,17 @@ class KvClient:
             self._window = None
             self._open_retry_at = time.monotonic() + 1.0
 
-    def _arena_lease(self) -> tuple[_Arena, int] | None:
-        """The mapped arena and a live lease on it, the arena held for one transfer (give it
-        back with _done); None: no arena here (another plane, or none reachable)."""
+    def _arena_lease(self, mapped_only: bool = False) -> tuple[ArenaMapping | NixlRemote, int] | None:
+        """The store's block memory (mapped here, or over NIXL unless `mapped_only`) and a live
+        lease on it, held for one transfer (give it back with _done); None: no such plane here
+        (another plane, or none reachable)."""
         if not self.use_shm:
             return None
         for _ in range(2):
             with self._lock:
                 if self._leased_locked():
+                    if mapped_only and not isinstance(self._arena, ArenaMapping):
+                        return None
                     self._lease_used = time.monotonic()
                     self._arena.users += 1
                     return self._arena, self._lease_id
@@ -285,23 +237,23 @@ class KvClient:
         return (self._arena is not None and self._lease_id != 0
                 and time.monotonic() - self._lease_used < self._lease_ttl_s / 2)
 
-    def _done(self, arena: _Arena) -> None:
+    def _done(self, arena: ArenaMapping) -> None:
         with self._lock:
             arena.users -= 1
             last = arena.retired and not arena.users
         if last:
             self._unmap(arena)
 
-    def _retire(self, arena: _Arena) -> None:
+    def _retire(self, arena: ArenaMapping) -> None:
         with self._lock:
             arena.retired = True
             last = not arena.users
         if last:
             self._unmap(arena)
 
-    def _unmap(self, arena: _Arena) -> None:
+    def _unmap(self, arena: ArenaMapping | NixlRemote) -> None:
         on_unmap = self._hooks[1]
-        if on_unmap is not None:
+        if on_unmap is not None and isinstance(arena, ArenaMapping):
             try:
                 on_unmap(arena.mm)
             except Exception as exc:  # noqa: BLE001 - the caller's hook must not break the client
@@ -316,45 +268,58 @@ class KvClient:
         with self._lock:
             self._hooks = (on_map, on_unmap)
             mapped = self._arena
-        if mapped is not None and on_map is not None:
+        if isinstance(mapped, ArenaMapping) and on_map is not None:
             self._run_on_map(on_map, mapped)
 
-    def _run_on_map(self, on_map, arena: _Arena) -> None:
+    def _run_on_map(self, on_map, arena: ArenaMapping) -> None:
         try:
             on_map(arena.mm)
         except Exception as exc:  # noqa: BLE001 - the views still work, only slower for the caller
             log.warning("kvstore arena on_map hook failed: %s", exc)
 
     def _open(self) -> None:
-        """OpenArena: map the store's block memory (zero copy) or a window; on failure the next
-        try waits (5 s, a minute when shared memory cannot work here)."""
+        """OpenArena: map the store's block memory (zero copy), else reach it over NIXL, else map
+        a window; on failure the next try waits (5 s, a minute when no plane can work here)."""
         with self._open_lock:
             with self._lock:
                 if self._leased_locked() or self._window is not None or time.monotonic() < self._open_retry_at:
                     return   # another thread opened (or failed) meanwhile
                 self._open_retry_at = time.monotonic() + 5.0
+            plane = self.data_plane
             resp = self._call(self._stub.OpenArena, kv_pb2.OpenArenaRequest(
-                window_bytes=self.window_bytes, zero_copy=True), self.lookup_timeout_s)
-            if resp is None or not resp.path:
+                window_bytes=self.window_bytes, zero_copy=plane != "shm"), self.lookup_timeout_s)
+            if resp is None or not resp.lease_id:
                 return   # unreachable, no shared memory there, or none free: gRPC bytes
             with self._lock:
                 current = self._arena
-            try:
-                if resp.boot_id != _boot_id():
-                    raise OSError("the kvstore runs on another host")
-                if resp.zero_copy and current is not None and current.nonce == resp.nonce:
-                    mapped = current                      # a new lease, the same arena
-                else:
-                    mapped = _Arena(resp) if resp.zero_copy else _Window(resp)
-            except OSError as exc:
-                # Another host or container (its /proc is not ours): it will not change, so give the
-                # lease back and ask again only once a minute.
+            mapped, why = None, "no plane of this client's there"
+            if resp.zero_copy and plane in ("auto", "zero_copy"):
+                try:
+                    if resp.boot_id != boot_id():
+                        raise OSError("the kvstore runs on another host")
+                    if isinstance(current, ArenaMapping) and current.nonce == resp.nonce:
+                        mapped = current                      # a new lease, the same arena
+                    else:
+                        mapped = ArenaMapping(resp)
+                except OSError as exc:   # another host or container (its /proc is not ours)
+                    why = str(exc)
+            if mapped is None and resp.nixl_agent and plane in ("auto", "nixl"):
+                mapped, why = self._nixl_remote(resp, current, why)
+            if mapped is None and resp.window_bytes and plane in ("auto", "shm"):
+                try:
+                    if resp.boot_id != boot_id():
+                        raise OSError("the kvstore runs on another host")
+                    mapped = Window(resp)
+                except OSError as exc:
+                    why = str(exc)
+            if mapped is None:
+                # It will not change for this store: give the lease back, ask again once a minute.
                 self._close_lease(resp.lease_id)
                 with self._lock:
                     self._open_retry_at = time.monotonic() + 60.0
-                log.info("kvstore %s shared memory not usable here (%s): gRPC bytes", self.address, exc)
+                log.info("kvstore %s shared memory not usable here (%s): gRPC bytes", self.address, why)
                 return
-            if isinstance(mapped, _Window):
+            if isinstance(mapped, Window):
                 with self._lock:
                     self._window, self._open_retry_at = mapped, 0.0
                     self._arena = None
@@ -363,10 +328,14 @@ class KvClient:
                     self._retire(current)              # a store of another kind took its place
                 return
             if mapped is not current:
-                if self._hooks[0] is not None:
-                    self._run_on_map(self._hooks[0], mapped)   # before any view of it is handed out
-                log.info("kvstore %s: zero copy, its %d MiB of block memory mapped", self.address,
-                         mapped.size >> 20)
+                if isinstance(mapped, ArenaMapping):
+                    if self._hooks[0] is not None:
+                        self._run_on_map(self._hooks[0], mapped)   # before any view of it is handed out
+                    log.info("kvstore %s: zero copy, its %d MiB of block memory mapped", self.address,
+                             mapped.size >> 20)
+                else:
+                    log.info("kvstore %s: NIXL to its %d MiB of block memory (agent %s)", self.address,
+                             mapped.size >> 20, mapped.name)
             with self._lock:
                 if mapped.retired:   # given up meanwhile (the store lost too long): not ours to hand out
                     return
@@ -375,6 +344,28 @@ class KvClient:
             if current is not None and mapped is not current:
                 self._retire(current)                  # the store restarted: its old arena goes
 
+    def _nixl_remote(self, resp: "kv_pb2.OpenArenaResponse", current, why: str) -> tuple[NixlRemote | None, str]:
+        """The store's NIXL agent loaded into ours: the one loaded already if the store is the
+        same process (same agent name), else its metadata fetched under the new lease."""
+        if isinstance(current, NixlRemote) and current.name == resp.nixl_agent:
+            return current, ""
+        if self._nixl is None:
+            try:
+                self._nixl = NixlPlane(self._nixl_slot_bytes, self._nixl_slots)
+            except Exception as exc:  # noqa: BLE001 - NIXL is one plane among others
+                self._nixl = False
+                log.warning("kvstore client: NIXL unavailable here (%s): gRPC bytes", exc)
+        if self._nixl is False:
+            return None, f"{why}; NIXL unavailable here"
+        meta = self._call(self._stub.NixlMetadata, kv_pb2.NixlMetadataRequest(
+            lease=kv_pb2.ShmWindow(lease_id=resp.lease_id)), self.timeout_s)
+        if meta is None or meta.agent_name != resp.nixl_agent or meta.arena_bytes != resp.arena_bytes:
+            return None, f"{why}; no usable NIXL metadata"
+        try:
+            return self._nixl.load(meta), ""
+        except Exception as exc:  # noqa: BLE001
+            return None, f"{why}; NIXL could not load the kvstore's agent ({type(exc).__name__}: {exc})"
+
     def _close_lease(self, lease_id: int) -> None:
         try:
             self._stub.CloseArena(kv_pb2.CloseArenaRequest(window=kv_pb2.ShmWindow(lease_id=lease_id)),
@@ -382,7 +373,7 @@ class KvClient:
         except grpc.RpcError:
             pass   # the lease expires on its own
 
-    def _get_window(self) -> _Window | None:
+    def _get_window(self) -> Window | None:
         if not self.use_shm:
             return None
         with self._lock:
@@ -395,11 +386,11 @@ class KvClient:
 
     @property
     def transport(self) -> str:
-        """What the next transfer would use: "arena" (zero copy), "shm" (a window) or "grpc"."""
+        """What the next transfer would use: "arena" (zero copy), "nixl", "shm" (a window) or "grpc"."""
         got = self._arena_lease()
         if got is not None:
             self._done(got[0])
-            return "arena"
+            return "arena" if isinstance(got[0], ArenaMapping) else "nixl"
         return "shm" if self._get_window() is not None else "grpc"
 
     # ---- the API ----------------------------------------------------------------------
@@ -456,7 +447,7 @@ class KvClient:
             fill(first, idx, slots)
             return None   # the commit step checksums the slots on the pool
 
-        kept = self._write_arena(ns, list(block_hashes), fill_then_checksum)
+        kept = self._write_arena(ns, list(block_hashes), fill_then_checksum, mapped_only=True)
         return None if kept is None else self._saved(ns, len(block_hashes), kept, start)
 
     def _saved(self, ns, offered: int, kept: int, start: float) -> int:
@@ -465,15 +456,18 @@ class KvClient:
         self._timed("save", kept * ns.block_bytes, start)
         return kept
 
-    def _step(self, ns) -> int:
-        return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, self.chunk_bytes // max(1, ns.block_bytes)))
+    def _step(self, ns, arena=None) -> int:
+        """Blocks per Pin / Reserve: a chunk; over NIXL also what one staging slot holds."""
+        room = self.chunk_bytes if not isinstance(arena, NixlRemote) else min(self.chunk_bytes, arena.plane.slot_bytes)
+        return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, room // max(1, ns.block_bytes)))
 
-    def _leased(self, transfer):
+    def _leased(self, transfer, mapped_only: bool = False):
         """transfer(arena, lease) under a live lease; once more under a new one when the store
         did not know ours (it restarted unnoticed, or the lease ended): then the transfer
-        answers _LEASE_REFUSED before it did anything. None: no arena mapped here."""
+        answers _LEASE_REFUSED before it did anything. None: no arena mapped here (or reached
+        over NIXL, unless `mapped_only`)."""
         for _ in range(2):
-            got = self._arena_lease()
+            got = self._arena_lease(mapped_only)
             if got is None:
                 return None
             arena, lease = got
@@ -490,15 +484,19 @@ class KvClient:
         with self._lock:
             return self.available and self._lease_id != lease
 
-    def _write_arena(self, ns, hashes: list[bytes], fill) -> int | None:
+    def _write_arena(self, ns, hashes: list[bytes], fill, mapped_only: bool = False) -> int | None:
         """Reserve, fill, checksum and commit, chunk by chunk, the commit of chunk k on a
-        helper thread while chunk k+1 is reserved and filled. None: no arena mapped here."""
-        return self._leased(lambda arena, lease: self._write_chunks(ns, hashes, fill, arena, lease))
+        helper thread while chunk k+1 is reserved and filled. None: no arena here."""
+        return self._leased(lambda arena, lease: self._write_chunks(ns, hashes, fill, arena, lease), mapped_only)
 
-    def _write_chunks(self, ns, hashes: list[bytes], fill, arena: _Arena, lease: int):
+    def _write_chunks(self, ns, hashes: list[bytes], fill, arena: ArenaMapping | NixlRemote, lease: int):
+        """Mapped here, `fill` writes into the reserved slots themselves; over NIXL into a staging
+        slot, which one NIXL WRITE then puts into the reserved slots before the commit."""
         kept, pending = 0, collections.deque()   # commits in flight, at most _COMMITS_IN_FLIGHT
+        nixl = isinstance(arena, NixlRemote)
+        bb = ns.block_bytes
         try:
-            step = self._step(ns)
+            step = self._step(ns, arena)
             for i in range(0, len(hashes), step):
                 chunk = hashes[i:i + step]
                 resp = self._call(self._stub.Reserve, kv_pb2.ReserveRequest(
@@ -509,9 +507,16 @@ class KvClient:
                         return _LEASE_REFUSED
                     break
                 reserved_at = time.monotonic()
-                idx, slots = [], []
+                staged = arena.plane.stage(reserved_at + self.timeout_s) if nixl and resp.reserve_id else None
+                idx, slots, offsets = [], [], []
                 for j, slot in enumerate(resp.slots[:len(chunk)]):
-                    view = arena.slot(slot.offset, ns.block_bytes) if slot.status == _RESERVED else None
+                    view = None
+                    if slot.status == _RESERVED:
+                        if not nixl:
+                            view = arena.slot(slot.offset, bb)
+                        elif staged is not None and arena.valid(slot.offset, bb):
+                            view = staged.block(len(slots), bb)
+                            offsets.append(slot.offset)
                     if view is not None:
                         idx.append(i + j)
                         slots.append(view)
@@ -528,6 +533,19 @@ class KvClient:
                         failed = True
                 elif resp.reserve_id:
                     failed = True             # a store answer we cannot use: give the slots back
+                if staged is not None:
+                    outcome = DONE
+                    if not failed:
+                        if crcs is None:      # computed before the staging slot is reused
+                            crcs = self._map(lambda k: checksum(slots[k]), len(slots))
+                        outcome = arena.transfer("WRITE", staged, list(enumerate(offsets)), bb,
+                                                 time.monotonic() + self._deadline(len(slots) * bb))
+                    staged.release()
+                    if outcome != DONE:
+                        self._nixl_failed(arena, outcome)
+                        if outcome != FAILED:
+                            break             # it may still land: no commit, no abort (the slots expire)
+                        failed = True
                 while len(pending) >= _COMMITS_IN_FLIGHT:
                     kept += pending.popleft().result()
                 if resp.reserve_id:
@@ -557,9 +575,9 @@ class KvClient:
             return 0
         finally:
             for v in slots:
-                _release(v)
+                release_view(v)
 
-    def _put_chunk(self, ns, chunk, window: _Window | None) -> int:
+    def _put_chunk(self, ns, chunk, window: Window | None) -> int:
         nbytes = sum(len(v) for _, v in chunk)
         if window is not None and nbytes <= window.size:
             with window.lock:
@@ -656,7 +674,7 @@ class KvClient:
             return [None if f is None else f.result() == m.checksum for f, m in zip(crcs, metas)]
 
         stop = [False]
-        found = self._read_arena(ns, list(block_hashes), verify_beside, stop)
+        found = self._read_arena(ns, list(block_hashes), verify_beside, stop, mapped_only=True)
         return None if found is None else self._loaded(ns, found, start)
 
     def _loaded(self, ns, found: list[bool], start: float) -> list[bool]:
@@ -666,16 +684,16 @@ class KvClient:
         self._timed("load", hits * ns.block_bytes, start)
         return found
 
-    def _read_arena(self, ns, hashes: list[bytes], handle, stop=(False,)) -> list[bool] | None:
+    def _read_arena(self, ns, hashes: list[bytes], handle, stop=(False,), mapped_only: bool = False) -> list[bool] | None:
         """Pin, hand the views to `handle(start, views, metas) -> [verified or None]`, release,
-        chunk by chunk (until stop[0] is set). None: no arena mapped here."""
-        return self._leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease, stop))
+        chunk by chunk (until stop[0] is set). None: no arena here."""
+        return self._leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease, stop), mapped_only)
 
-    def _read_chunks(self, ns, hashes: list[bytes], handle, arena: _Arena, lease: int, stop):
+    def _read_chunks(self, ns, hashes: list[bytes], handle, arena: ArenaMapping | NixlRemote, lease: int, stop):
         """Chunk k+1 is pinned (on a helper thread) while chunk k is consumed and verified, and
         chunk k is released in the background: the store's round trips overlap the copies."""
         found = [False] * len(hashes)
-        step = self._step(ns)
+        step = self._step(ns, arena)
         starts = list(range(0, len(hashes), step))
         if not starts:
             return found
@@ -727,24 +745,29 @@ class KvClient:
                                                              read_id=read_id, corrupt=corrupt),
                    self._deadline(len(corrupt) * ns.block_bytes))
 
-    def _use_chunk(self, ns, chunk: list[bytes], first: int, arena: _Arena, lease: int, handle,
+    def _use_chunk(self, ns, chunk: list[bytes], first: int, arena: ArenaMapping | NixlRemote, lease: int, handle,
                    resp, pinned_at: float):
         """(found-and-verified per block of the chunk, shorter than the chunk: stop here; the
         release to run, or None)."""
         metas = list(resp.blocks)
         if len(metas) != len(chunk):
             metas = []   # an answer we cannot use: misses (and the pins given back)
-        views = [arena.slot(m.offset, ns.block_bytes)
-                 if m.block_hash == h and m.size == ns.block_bytes else None for m, h in zip(metas, chunk)]
+        staged, failed = None, False
+        if isinstance(arena, NixlRemote):
+            views, staged, failed = self._nixl_read(arena, ns, metas, chunk)
+        else:
+            views = [arena.slot(m.offset, ns.block_bytes)
+                     if m.block_hash == h and m.size == ns.block_bytes else None for m, h in zip(metas, chunk)]
         read_only = [v.toreadonly() if v is not None else None for v in views]
-        failed = False
         try:
             verified = handle(first, read_only, metas) if any(v is not None for v in views) else [None] * len(views)
         except _ConsumeFailed:
             verified, failed = [None] * len(views), True
         finally:
             for v in read_only + views:
-                _release(v)
+                release_view(v)
+            if staged is not None:
+                staged.release()
         # Pins held past half the lease's life may have been taken back: never trust those bytes.
         late = time.monotonic() - pinned_at > self._lease_ttl_s / 2
         release = None
@@ -755,7 +778,41 @@ class KvClient:
             return [], release   # shorter than the chunk: the load ends here
         return [bool(v) and not late for v in verified] + [False] * (len(chunk) - len(verified)), release
 
-    def _get_chunk(self, ns, hashes, dests, found: list[bool], base: int, window: _Window | None) -> None:
+    def _nixl_read(self, remote: NixlRemote, ns, metas: list, chunk: list[bytes]):
+        """(views, the staging slot they are in or None, failed): one NIXL READ of the pinned
+        blocks into a staging slot, block j of the chunk at j * block_bytes; views[j] is None for
+        a miss. A READ that fails or misses its deadline makes every block a miss and ends the load."""
+        bb = ns.block_bytes
+        views: list = [None] * len(metas)
+        want = [j for j, (m, h) in enumerate(zip(metas, chunk))
+                if m.block_hash == h and m.size == bb and remote.valid(m.offset, bb)]
+        if not want:
+            return views, None, False
+        deadline = time.monotonic() + self._deadline(len(want) * bb)
+        staged = remote.plane.stage(deadline)
+        if staged is None:
+            return views, None, True
+        outcome = remote.transfer("READ", staged, [(j, metas[j].offset) for j in want], bb, deadline)
+        if outcome != DONE:
+            self._nixl_failed(remote, outcome)
+            return views, staged, True
+        for j in want:
+            views[j] = staged.block(j, bb)
+        return views, staged, False
+
+    def _nixl_failed(self, remote: NixlRemote, outcome: str) -> None:
+        """A NIXL transfer failed or timed out (a UCX path that does not work, a store gone):
+        gRPC bytes for NIXL_RETRY_S, then NIXL again (the store's agent loaded anew)."""
+        with self._lock:
+            if self._arena is not remote:
+                return
+            self._arena, self._lease_id = None, 0
+            self._open_retry_at = time.monotonic() + NIXL_RETRY_S
+        self._retire(remote)
+        self._log_once(f"kvstore {self.address}: a NIXL transfer {'failed' if outcome == FAILED else 'timed out'}: "
+                       f"gRPC bytes for {NIXL_RETRY_S:.0f} s, then NIXL again")
+
+    def _get_chunk(self, ns, hashes, dests, found: list[bool], base: int, window: Window | None) -> None:
         nbytes = len(hashes) * ns.block_bytes
         if window is not None and nbytes <= window.size:
             with window.lock:
@@ -825,14 +882,6 @@ _LEASE_REFUSED = object()   # a zero-copy transfer's first call: the store does 
 
 class _ConsumeFailed(Exception):
     """The caller's consume raised (already logged): its chunk is a miss and the load ends."""
-
-
-def _release(view: memoryview | None) -> None:
-    if view is not None:
-        try:
-            view.release()
-        except BufferError:   # the caller kept something made from it; it goes when they drop it
-            pass
 
 
 def _kept(resp: "kv_pb2.PutResponse | None") -> int:

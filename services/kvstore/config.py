@@ -19,6 +19,8 @@ class KvStoreConfig:
     disk_gb: float = 0.0                # hard bound of the disk tier (required with disk_dir)
     backend: str = "memory"             # "memory" or redis://HOST:PORT[/DB]
     zero_copy: bool = True              # same-host clients map the memory backend's blocks (in place)
+    nixl: bool | None = None            # the blocks over NIXL for clients that cannot map them
+                                        # (None: on with the memory backend when nixl imports)
     shm_window_mb: int = 64             # one client's window (the Redis backend's same-host plane)
     shm_windows: int = 16               # windows (0 = none)
     lease_ttl_s: float = 30.0           # a lease unused this long ends: its pins and slots are freed
@@ -37,6 +39,8 @@ class KvStoreConfig:
             raise ValueError(f"--capacity-gb must be positive, got {self.capacity_gb}")
         if self.backend != "memory" and not self.backend.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--backend must be 'memory' or redis://HOST:PORT, got {self.backend!r}")
+        if self.nixl and self.backend != "memory":
+            raise ValueError("--nixl offers the memory backend's block memory: it does not go with a Redis backend")
         if self.disk_dir:
             if self.backend != "memory":
                 raise ValueError("--disk-dir spills host memory: it does not go with a Redis backend")

@@ -27,6 +27,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="'memory' (default) or redis://HOST:PORT[/DB]: blocks live in that Redis server")
     p.add_argument("--zero-copy", action=argparse.BooleanOptionalAction, default=d["zero_copy"].default,
                    help="same-host clients map the memory backend's blocks and read / write them in place")
+    p.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=d["nixl"].default,
+                   help="offer the memory backend's blocks over NIXL (UCX) to clients that cannot map them "
+                        "(another host or container); default: on when nixl imports. UCX endpoints are not "
+                        "authenticated: trusted networks only (docs/kvstore.md)")
     p.add_argument("--shm-window-mb", type=int, default=d["shm_window_mb"].default,
                    help="one client's window of shared memory (the same-host plane of the Redis backend)")
     p.add_argument("--shm-windows", type=int, default=d["shm_windows"].default,
@@ -47,7 +51,7 @@ def parse_config(argv: list[str] | None) -> KvStoreConfig:
     a = p.parse_args(argv)
     try:
         return KvStoreConfig(host=a.host, port=a.port, capacity_gb=a.capacity_gb, disk_dir=a.disk_dir,
-                             disk_gb=a.disk_gb, backend=a.backend, zero_copy=a.zero_copy,
+                             disk_gb=a.disk_gb, backend=a.backend, zero_copy=a.zero_copy, nixl=a.nixl,
                              shm_window_mb=a.shm_window_mb,
                              shm_windows=a.shm_windows, lease_ttl_s=a.lease_ttl_s,
                              worker_threads=a.worker_threads, copy_threads=a.copy_threads, internal_tls=internal_tls.from_args(a),

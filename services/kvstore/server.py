@@ -1,6 +1,7 @@
 """grpc.aio adapter: meshllm.v1.KvStore over a Store, plus the same-host shared memory: the memory
 backend's block memfd that clients map for zero-copy transfers (Pin/Release, Reserve/Commit,
-transfers.py), and the leased windows of arena.py (for the Redis backend).
+transfers.py) or reach over NIXL when they cannot map it (nixl_export.py: the same Pin/Reserve,
+the bytes moved by the client), and the leased windows of arena.py (for the Redis backend).
 
 Copies, checksums, disk and Redis run in a small thread pool, so the event loop keeps answering
 health checks while a 64 MiB batch moves."""
@@ -19,6 +20,7 @@ from services.common.metrics import start_metrics_server
 from services.kvstore import metrics
 from services.kvstore.arena import Arena, LeaseError
 from services.kvstore.config import MIB, KvStoreConfig
+from services.kvstore.nixl_export import NixlExport, start_nixl
 from services.kvstore.store import PutStatus, Store
 from services.kvstore.transfers import TooManyTransfers, Transfer, Transfers
 
@@ -52,10 +54,13 @@ def zero_copy_transfers(store: Store, lease_ttl_s: float, **kw) -> Transfers:
 
 class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
     def __init__(self, store: Store, arena: Arena | None, executor: ThreadPoolExecutor,
-                 copies: ThreadPoolExecutor, transfers: Transfers | None = None) -> None:
+                 copies: ThreadPoolExecutor, transfers: Transfers | None = None, *,
+                 zero_copy: bool = True, nixl: NixlExport | None = None) -> None:
         self.store = store
         self.arena = arena            # windows (any backend), or None
-        self.transfers = transfers    # zero copy (the memory backend's memfd shared), or None
+        self.transfers = transfers    # leases, pins and slots of zero copy and NIXL, or None
+        self.zero_copy = zero_copy and transfers is not None   # same-host clients may map the memfd
+        self.nixl = nixl if transfers is not None else None    # the memfd registered with NIXL, or None
         self._executor = executor    # one call's work, off the event loop
         self._copies = copies        # the blocks of one call, in parallel
 
@@ -178,12 +183,16 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         return list(self._map(len(hashes))(one, range(len(hashes))))
 
     async def OpenArena(self, request, context):
-        if request.zero_copy and self.transfers is not None:
+        if request.zero_copy and (self.zero_copy or self.nixl is not None):
             lease_id = await self._run(self.transfers.open)
             if lease_id is not None:
                 f = self.store.arena
-                return kv_pb2.OpenArenaResponse(path=f.path, boot_id=f.boot_id, nonce=f.nonce, lease_id=lease_id,
-                                                lease_ttl_s=self.transfers.ttl_s, zero_copy=True, arena_bytes=f.size)
+                resp = kv_pb2.OpenArenaResponse(nonce=f.nonce, lease_id=lease_id, lease_ttl_s=self.transfers.ttl_s,
+                                                arena_bytes=f.size,
+                                                nixl_agent=self.nixl.name if self.nixl is not None else "")
+                if self.zero_copy:
+                    resp.path, resp.boot_id, resp.zero_copy = f.path, f.boot_id, True
+                return resp
         lease = self.arena.open_window() if self.arena is not None else None
         if lease is None:
             return kv_pb2.OpenArenaResponse()
@@ -214,7 +223,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
 
     async def _lease(self, lease: "kv_pb2.ShmWindow", context) -> int:
         if self.transfers is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this kvstore has no zero-copy arena")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this kvstore has no zero-copy or NIXL arena")
         if not lease.lease_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease.lease_id is required")
         try:
@@ -310,6 +319,14 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
             metrics.PUTS.labels(s.value).inc()
         return kv_pb2.CommitResponse(statuses=[_PUT_PB[s] for s in out])
 
+    async def NixlMetadata(self, request, context):
+        await self._lease(request.lease, context)   # only a client holding a lease learns where to READ / WRITE
+        if self.nixl is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this kvstore does not offer NIXL")
+        x = self.nixl
+        return kv_pb2.NixlMetadataResponse(agent_name=x.name, agent_metadata=x.metadata, arena_address=x.address,
+                                           arena_bytes=x.size)
+
     async def Stats(self, request, context):
         backend, counters = await self._run(self._stats)
         a, z = self.arena, self.transfers
@@ -321,7 +338,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
             disk_blocks=backend.disk_blocks, disk_bytes=backend.disk_bytes,
             disk_capacity_bytes=backend.disk_capacity_bytes, hits=counters.hits, misses=counters.misses,
             evictions=backend.evictions, corrupt_blocks=backend.corrupt_blocks,
-            arena_bytes=shared, arena_windows=a.leased if a else 0)
+            arena_bytes=shared, arena_windows=a.leased if a else 0, nixl=self.nixl is not None)
 
     def _stats(self):
         self.expire()
@@ -351,7 +368,7 @@ def _handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
 
     methods = {name: getattr(kv_pb2, f"{name}Request") for name in
                ("Lookup", "Put", "Get", "OpenArena", "CloseArena", "Pin", "Release", "Reserve", "Commit",
-                "Stats", "Flush")}
+                "NixlMetadata", "Stats", "Flush")}
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
                                                   response_serializer=serialize)
@@ -381,20 +398,27 @@ def build_backend(cfg: KvStoreConfig):
 
 async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
     store = Store(build_backend(cfg))
+    try:
+        nixl = start_nixl(cfg.nixl, store.arena)
+    except RuntimeError as exc:   # --nixl asked for and impossible: fail fast
+        log.error("%s", exc)
+        store.backend.close()
+        return 2
     arena = Arena(cfg.shm_window_mb * MIB, cfg.shm_windows, cfg.lease_ttl_s) if cfg.shm_windows else None
     executor = ThreadPoolExecutor(cfg.worker_threads, thread_name_prefix="kvstore")
     server, health = make_server("kvstore", [SERVICE_NAME])
     copies = ThreadPoolExecutor(cfg.copy_threads, thread_name_prefix="kvstore-copy")
     transfers = (zero_copy_transfers(store, cfg.lease_ttl_s)
-                 if cfg.zero_copy and store.arena is not None else None)
-    servicer = KvStoreServicer(store, arena, executor, copies, transfers)
+                 if (cfg.zero_copy or nixl is not None) and store.arena is not None else None)
+    servicer = KvStoreServicer(store, arena, executor, copies, transfers, zero_copy=cfg.zero_copy, nixl=nixl)
     server.add_generic_rpc_handlers((_handlers(servicer),))
     port = bind(server, cfg.address, cfg.internal_tls.server_credentials())
     await server.start()
     health.set_ready(True)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     print(f"kvstore listening on {host}:{port} backend={store.backend.name} capacity={cfg.capacity_bytes} "
-          f"zero_copy={transfers is not None} windows={arena.size if arena else 0}", flush=True)
+          f"zero_copy={servicer.zero_copy} nixl={nixl.name if nixl else 'off'} windows={arena.size if arena else 0}",
+          flush=True)
     metrics_port = start_metrics_server(cfg.host, cfg.metrics_port)
     if metrics_port:
         print(f"kvstore metrics on http://{host}:{metrics_port}/metrics", flush=True)
@@ -409,6 +433,8 @@ async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
         await server.stop(grace=2.0)
         executor.shutdown(wait=False, cancel_futures=True)
         copies.shutdown(wait=False, cancel_futures=True)
+        if nixl is not None:
+            nixl.close()
         store.backend.close()
         if arena is not None:
             arena.close()
