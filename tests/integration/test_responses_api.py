@@ -1,7 +1,7 @@
 """The Responses API end to end with the official openai client and the real SmolLM2 mesh:
 whole and streamed responses, instructions, max_output_tokens -> incomplete, structured output
 through text.format, multi-turn state through previous_response_id, store false, retrieve,
-delete, cancel; enforced tool calls and a tool round trip on a mesh with a tool-call parser."""
+delete, cancel; enforced tool calls and a tool round trip through a gateway with a tool-call parser."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,6 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.gateway_proc import start_gateway
-from tests.integration.meshproc import start_mesh
 
 LONG = "Write a long story about a dragon who learns to cook."
 
@@ -327,10 +326,11 @@ TOOL_INPUT = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def tool_client(smollm2_dir):
-    m = start_mesh(str(smollm2_dir), "--max-model-len", "1024", "--tool-call-parser", "hermes")
-    yield OpenAI(base_url=f"{m.http_url}/v1", api_key="unused", timeout=120, max_retries=0), m
-    assert m.stop() == 0
+def tool_client(mesh):
+    """A gateway with --tool-call-parser hermes in front of the shared mesh."""
+    gw = start_gateway(mesh, "--tool-call-parser", "hermes")
+    yield OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="unused", timeout=120, max_retries=0), mesh
+    gw.stop()
 
 
 def test_tool_choice_required_gives_a_function_call_that_validates(tool_client):

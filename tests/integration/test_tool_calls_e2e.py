@@ -4,11 +4,12 @@ it as OpenAI tool_calls with finish_reason "tool_calls", whole and streamed."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from openai import OpenAI
 
-from tests.integration.meshproc import start_mesh
+from tests.integration.gateway_proc import start_gateway
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather for a city",
@@ -21,10 +22,12 @@ MESSAGES = [{"role": "system", "content": "You call tools. To get weather, answe
 
 
 @pytest.fixture(scope="module")
-def tool_mesh(smollm2_dir):
-    m = start_mesh(str(smollm2_dir), "--max-model-len", "1024", "--tool-call-parser", "hermes")
-    yield m
-    assert m.stop() == 0
+def tool_mesh(mesh):
+    """A gateway with --tool-call-parser hermes in front of the shared mesh (the parser is the
+    gateway's; no second model load)."""
+    gw = start_gateway(mesh, "--tool-call-parser", "hermes")
+    yield SimpleNamespace(http_url=f"http://127.0.0.1:{gw.http_port}", model_name=mesh.model_name)
+    gw.stop()
 
 
 @pytest.fixture(scope="module")
