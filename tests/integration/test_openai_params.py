@@ -185,7 +185,7 @@ def test_tokenize_and_detokenize_round_trip_in_vllm_shapes(http, mesh):
     assert http.post("/tokenize", json={}).status_code == 400
 
 
-@pytest.mark.parametrize("kw", [
+STREAMED_KW = [
     {"temperature": 0, "presence_penalty": 2.0},
     {"temperature": 0, "frequency_penalty": 2.0},
     {"temperature": 0, "repetition_penalty": 1.8},
@@ -194,15 +194,32 @@ def test_tokenize_and_detokenize_round_trip_in_vllm_shapes(http, mesh):
     {"temperature": 0, "min_tokens": 6, "ignore_eos": True},
     {"temperature": 0, "stop": [" apples"]},
     {"temperature": 0, "max_tokens": 3},
-])
-def test_streaming_gives_the_same_effect_as_non_streaming(client, mesh, kw):
-    """The same parameters streamed and not give the same text and finish reason."""
+]
+
+
+def _whole_and_streamed(client, mesh, kw: dict) -> tuple:
     kw = dict(kw)
     kw.setdefault("max_tokens", 10)
     whole = complete(client, mesh, REPEAT, **dict(kw))
     extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens") if k in kw}
     chunks = list(client.completions.create(model=mesh.model_name, prompt=REPEAT, stream=True,
                                             extra_body=extra or None, **kw))
+    return whole, chunks
+
+
+@pytest.fixture(scope="module")
+def whole_and_streamed(client, mesh):
+    """Every case of the test below asked at once (the engine batches them; one or two at a time
+    cost nearly as much each): one future per case, of (whole, streamed chunks)."""
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(len(STREAMED_KW)) as pool:
+        yield [pool.submit(_whole_and_streamed, client, mesh, kw) for kw in STREAMED_KW]
+
+
+@pytest.mark.parametrize("case", range(len(STREAMED_KW)), ids=[f"kw{i}" for i in range(len(STREAMED_KW))])
+def test_streaming_gives_the_same_effect_as_non_streaming(whole_and_streamed, case):
+    """The same parameters streamed and not give the same text and finish reason."""
+    whole, chunks = whole_and_streamed[case].result(timeout=240)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text == whole.choices[0].text
