@@ -161,14 +161,12 @@ def check_draft_model(target_dir: str, draft_dir: str) -> None:
 
 
 def check_served(text: str | None, tensor_parallel_size: int = 1, model_dir: str | None = None) -> SpecConfig | None:
-    """parse_spec_config plus what this release serves (one rank; a draft model that matches the
-    target). SpecConfigError (a ValueError) says what is not served."""
+    """parse_spec_config plus what this release serves (a draft model must match the target; with
+    tensor parallel rank 0 proposes for every rank, and a draft model runs whole on rank 0).
+    SpecConfigError (a ValueError) says what is not served."""
     cfg = parse_spec_config(text)
     if cfg is None:
         return None
     if cfg.method == "draft_model" and model_dir:
         check_draft_model(model_dir, cfg.model)
-    if tensor_parallel_size > 1:
-        raise SpecConfigError("speculative-config: speculative decoding with --tensor-parallel-size > 1 is not "
-                              "served yet (ranks would have to agree on every step's drafts)")
     return cfg

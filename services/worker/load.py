@@ -61,11 +61,14 @@ def _load(cfg: WorkerConfig, tp: TpLink | None) -> ModelRunner:
     if spec is not None:
         from services.worker.spec.decoder import SpecDecoder
         draft = None
-        if spec.method == "draft_model":   # its own KV pool: the target's block count and size
+        # Tensor parallel: rank 0 proposes for every rank (runner.tp_spec); a draft model, whole
+        # (not sharded), lives on rank 0 only, with its own KV pool: the target's block count and size.
+        follower = tp is not None and tp.rank != 0
+        if spec.method == "draft_model" and not follower:
             from services.worker.spec.draft_model import load_draft_model
             draft = load_draft_model(spec, model, runner.num_blocks, runner.block_size, dtype=cfg.torch_dtype,
                                      max_num_tokens=runner.max_num_tokens, cuda_graphs=not cfg.enforce_eager)
-        runner.enable_spec(SpecDecoder(spec, cfg.served_model_name, draft=draft))
+        runner.enable_spec(SpecDecoder(spec, cfg.served_model_name, draft=draft, follower=follower))
         # The CPU's steps are slow and grow with their tokens from the start: a short curve.
         runner.spec.calibrate(runner, max_tokens=min(512 if device.type == "cuda" else 48, runner.max_num_tokens))
     if cfg.overlap_steps != "auto":

@@ -148,6 +148,8 @@ class ModelRunner:
         self._last_done_ns = 0
         self.graph_capture_s = 0.0                # how long the last start-up capture took
         self.spec = None                          # spec.decoder.SpecDecoder with --speculative-config
+        # Tensor parallel: the ranks agree on speculation's choices, rank 0's (tp_ranks.TpLink).
+        self.tp_spec = None
         self.prompt_logprob_slice = prompt_logprobs.SLICE_ROWS   # rows of prompt logits alive at once
         self.tier_config = None                   # kv_tiers.TierConfig: host offload / kvstore (enable_kv_tiers)
         self.tiers = None                         # kv_tiers.KvTiers over the current cache
@@ -342,7 +344,11 @@ class ModelRunner:
                                         r.num_spec_tokens if self.spec is not None else 0))
         if self.spec is not None:
             self.spec.acceptance.tick()
-            self._assign_drafts(scheduled)
+            if self.tp_spec is None or self.tp_spec.leader:
+                self._assign_drafts(scheduled)
+            if self.tp_spec is not None:   # rank 0's drafts on every rank (its choice depends on timings)
+                for s, drafts in zip(scheduled, self.tp_spec.agree_drafts([s.drafts for s in scheduled])):
+                    s.drafts = drafts
         return scheduled
 
     def _assign_drafts(self, scheduled: list[_Scheduled]) -> None:
@@ -375,7 +381,10 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> PendingStep:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
-        if self.spec is not None and self._unresolved and self._speculates(plan):
+        speculates = self.spec is not None and bool(self._unresolved) and self._speculates(plan)
+        if self.spec is not None and self.tp_spec is not None:   # every rank resolves when rank 0 does
+            speculates = self.tp_spec.agree_flag(speculates) and bool(self._unresolved)
+        if speculates:
             # A verified run's length is known once read: before this plan is checked against it.
             try:
                 self._resolve_all()

@@ -109,6 +109,7 @@ class TpLink:
         """This rank's runner, once loaded: its KV tiers' agreement rides on the fan-out, and its
         exported cache is shared with rank 0 (a collective: every rank calls it at load)."""
         self.runner = runner
+        runner.tp_spec = self   # used only with --speculative-config
         self.share_exports()
 
     def after_hello(self) -> None:
@@ -164,6 +165,35 @@ class TpLink:
         dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=self.cpu_group)
         if agreement is not None:
             agreement.settle(loads, saves, mins.tolist())
+
+    # ---- every rank: speculative decoding's choices are rank 0's ------------------------------
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def agree_flag(self, flag: bool) -> bool:
+        """Rank 0's flag on every rank (runner.submit: whether to read the previous step first)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.broadcast(t, 0, group=self.cpu_group)
+        return bool(t.item())
+
+    def agree_drafts(self, drafts: list[list[int]]) -> list[list[int]]:
+        """Rank 0's drafts per scheduled row (the same rows in the same order on every rank: they
+        come from the same plan) on every rank. Two broadcasts: the row counts, then the tokens."""
+        counts = torch.tensor([len(d) for d in drafts] if self.rank == 0 else [0] * len(drafts), dtype=torch.int64)
+        if counts.numel():
+            dist.broadcast(counts, 0, group=self.cpu_group)
+        total = int(counts.sum().item()) if counts.numel() else 0
+        if not total:
+            return [[] for _ in drafts]
+        flat = torch.tensor([t for d in drafts for t in d] if self.rank == 0 else [0] * total, dtype=torch.int64)
+        dist.broadcast(flat, 0, group=self.cpu_group)
+        out, i = [], 0
+        values = flat.tolist()
+        for c in counts.tolist():
+            out.append(values[i:i + c])
+            i += c
+        return out
 
     # ---- rank 0 ------------------------------------------------------------------------------
     def send(self, payload: bytes) -> None:
@@ -250,6 +280,7 @@ def _rank_args(cfg: WorkerConfig, rank: int) -> list[str]:
             # The kvstore client and the peers' WorkerControl channels use internal mTLS too.
             *(["--internal-tls-certfile", tls.certfile, "--internal-tls-keyfile", tls.keyfile,
                "--internal-tls-ca-certs", tls.ca_certs] if tls.enabled else []),
+            *(["--speculative-config", cfg.speculative_config] if cfg.speculative_config else []),
             "--tensor-parallel-size", str(cfg.tensor_parallel_size),
             "--tp-rank", str(rank), "--tp-init-method", cfg.tp_init_method]
 

@@ -39,11 +39,14 @@ def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpecConfig, model_name: str = "", draft=None) -> None:
-        """`draft`: the loaded spec.draft_model.DraftModel, for method draft_model (only)."""
-        if (cfg.method == "draft_model") != (draft is not None):
+    def __init__(self, cfg: SpecConfig, model_name: str = "", draft=None, follower: bool = False) -> None:
+        """`draft`: the loaded spec.draft_model.DraftModel, for method draft_model (only).
+        `follower`: a tensor-parallel rank > 0, which verifies rank 0's drafts and proposes none
+        (no proposers, no draft model: runner.tp_spec brings rank 0's choices)."""
+        if not follower and (cfg.method == "draft_model") != (draft is not None):
             raise ValueError("speculative-config: method draft_model needs its loaded draft model (and only it)")
         self.cfg = cfg
+        self.follower = follower
         self.draft = draft
         self.draft_cost: StepCostModel | None = None   # a draft decode step per batch (calibrate)
         # What a speculating step loses with its overlap: the host's time to build a step (the
@@ -67,6 +70,8 @@ class SpecDecoder:
 
     # ---- proposers ------------------------------------------------------------------------
     def start(self, request_id: str, token_ids: list[int], num_output_tokens: int) -> None:
+        if self.follower:
+            return
         if self.draft is not None:
             self.draft.start(request_id, token_ids)
         elif self.cfg.method == "ngram":
@@ -79,6 +84,8 @@ class SpecDecoder:
             self.proposers[request_id] = p
 
     def extend(self, request_id: str, tokens: list[int]) -> None:
+        if self.follower:
+            return
         if self.draft is not None:
             self.draft.extend(request_id, tokens)
             return
