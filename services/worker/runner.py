@@ -41,6 +41,7 @@ from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, LoadResult, PlanEr
                                   SaveResult, StepPlan, StepResult, TokenLogprob, WorkerInfo)
 from services.worker import prompt_logprobs
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
+from services.worker.spec import steps as spec_steps
 from services.worker.spec.decoder import accepted_prefix
 from services.worker.structured import Constraints, RequestMatcher
 
@@ -343,35 +344,8 @@ class ModelRunner:
             scheduled.append(_Scheduled(state, start, r.num_scheduled_tokens,
                                         r.num_spec_tokens if self.spec is not None else 0))
         if self.spec is not None:
-            self.spec.acceptance.tick()
-            if self.tp_spec is None or self.tp_spec.leader:
-                self._assign_drafts(scheduled)
-            if self.tp_spec is not None:   # rank 0's drafts on every rank (its choice depends on timings)
-                for s, drafts in zip(scheduled, self.tp_spec.agree_drafts([s.drafts for s in scheduled])):
-                    s.drafts = drafts
+            spec_steps.plan_drafts(self, scheduled)
         return scheduled
-
-    def _assign_drafts(self, scheduled: list[_Scheduled]) -> None:
-        """Drafts for the decode rows with a budget (their tokens are all on the host: submit read
-        the previous step first), within their block table and the context, cut where a grammar
-        refuses one."""
-        rows, by_id = [], {}
-        for s in scheduled:
-            st = s.state
-            if not s.budget or not s.samples or st.num_pending:
-                continue
-            room = min(s.budget, len(st.block_ids) * self.block_size - s.end, self.model.max_model_len - s.end)
-            if room > 0:
-                rows.append((st.request_id, room))
-                by_id[st.request_id] = s
-        if not rows:
-            return
-        base = sum(s.n for s in scheduled)
-        for rid, drafts in self.spec.drafts(rows, base, len(scheduled)).items():
-            s = by_id[rid]
-            if s.state.matcher is not None:
-                drafts = drafts[:self.constraints.valid_prefix(s.state.matcher, drafts)]
-            s.drafts = drafts
 
     # ---- execution ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -381,10 +355,7 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> PendingStep:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
-        speculates = self.spec is not None and bool(self._unresolved) and self._speculates(plan)
-        if self.spec is not None and self.tp_spec is not None:   # every rank resolves when rank 0 does
-            speculates = self.tp_spec.agree_flag(speculates) and bool(self._unresolved)
-        if speculates:
+        if self.spec is not None and spec_steps.read_first(self, plan):
             # A verified run's length is known once read: before this plan is checked against it.
             try:
                 self._resolve_all()
@@ -478,25 +449,6 @@ class ModelRunner:
         """Would collect(step) return without waiting for the device?"""
         return step.handle is None or step not in self._unresolved or step.handle.ready()
 
-    def _speculates(self, plan: StepPlan) -> bool:
-        """Drafts are proposed from host tokens, and a verified run's pending token sits at no
-        fixed sample row: such rows need the previous step read before this one is built (a
-        sync), unless the cost model says no draft would pay this step anyway."""
-        budgeted = []
-        for r in plan.cached_requests:
-            st = self.requests.get(r.request_id)
-            if st is None or not st.num_pending:
-                continue
-            if st.spec_pending:
-                return True
-            if r.num_spec_tokens:
-                budgeted.append((r.request_id, r.num_spec_tokens))
-        if not budgeted:
-            return False
-        base = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
-            r.num_scheduled_tokens for r in plan.cached_requests)
-        return self.spec.worth_trying(budgeted, base, len(plan.new_requests) + len(plan.cached_requests))
-
     @staticmethod
     def _needs_host_tokens(sampling_seqs: list[_Scheduled]) -> bool:
         """Penalties and grammar masks read the token history: a pending token must reach the host
@@ -566,7 +518,7 @@ class ModelRunner:
                                                st.prompt_lp_end, st.sampling.prompt_logprobs)
                 if span is not None:
                     spans.append(span)
-            if s.drafts:   # known tokens (all on the host, see _speculates), then the drafts
+            if s.drafts:   # known tokens (all on the host, see spec/steps.read_first), then the drafts
                 ids.extend(st.token_ids[s.start:s.start + s.count])
                 ids.extend(s.drafts)
                 src.extend([-1] * s.n)
@@ -603,7 +555,7 @@ class ModelRunner:
             rows, matchers = [], []
             # A step with drafts samples more rows than the prev-token buffer holds and a run's
             # last token sits at no fixed row: its tokens go to the host only, and the next step
-            # reads them before it is built (_speculates).
+            # reads them before it is built (spec/steps.read_first).
             verifies = any(s.drafts for s in sampling_seqs)
             for s in sampling_seqs:
                 st = s.state
