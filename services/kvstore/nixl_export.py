@@ -16,7 +16,7 @@ log = logging.getLogger("meshllm.kvstore.nixl")
 
 class NixlExport:
     def __init__(self, arena: SharedFile) -> None:
-        self.agent, self.name = make_agent("meshllm-kvstore")
+        self.agent, self.name = make_agent("meshllm-kvstore", progress_thread=True)
         self.address = buffer_address(arena.mm)    # offset 0 of the memfd, in this process
         self.size = arena.size
         self._registered = self.agent.register_memory([(self.address, self.size, 0, "")], "DRAM")
