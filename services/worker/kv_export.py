@@ -104,8 +104,10 @@ class ExportedCache:
         api = nixl_api() if nixl else None
         if api is not None:
             try:
-                self.agent = api.nixl_agent(f"meshllm-kv-{os.getpid()}-{id(self):x}",
-                                            api.nixl_agent_config(backends=["UCX"]))
+                # Peers READ from this cache: the agent progresses its UCX worker on a thread,
+                # one that polls (kv_nixl.make_agent), not NIXL's default busy spin of a core.
+                from services.common.kv_nixl import make_agent
+                self.agent, _ = make_agent("meshllm-kv", progress_thread=True)
                 self.nixl_mem = "VRAM" if device.type == "cuda" else "DRAM"
                 dev = device.index or 0 if device.type == "cuda" else 0
                 self.agent.register_memory([(self.all.data_ptr(), self.nbytes, dev, "")], self.nixl_mem)
