@@ -171,9 +171,10 @@ def test_a_wave_of_new_requests_is_proposed_for_a_few_at_a_time():
     assert d2.drafts([("solo", 4)], 1, 1)["solo"], "one request: proposed at once"
 
 
-def test_syncs_that_draft_nothing_back_off_and_a_draft_resets_them():
+def test_syncs_whose_proposals_are_declined_back_off_and_a_draft_resets_them():
     """Proposals the cost model then declines (K = 0) still paid their sync: such steps in a row
-    make worth_trying say no for 1, 2, 4 .. steps."""
+    make worth_trying say no for 1, 2, 4 .. steps. A step with nothing to propose does not (the
+    hit rate prices it)."""
     from services.worker.spec.decoder import MAX_BACKOFF, SpecDecoder
     d = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}))
     d.plain_cost = StepCostModel([(1, 0.010), (512, 0.010)])
@@ -197,3 +198,6 @@ def test_syncs_that_draft_nothing_back_off_and_a_draft_resets_them():
     assert waits == [1, 2, 4, 8, 16]
     assert d.drafts(rows, 1, 1), "drafts again once the sync is cheap"
     assert d.worth_trying(rows, 1, 1), "and a draft resets the back-off"
+    d.start("b", [9, 8, 7], 0)                     # no n-gram repeats: nothing to propose
+    assert d.drafts([("b", 4)], 1, 1) == {}
+    assert d.worth_trying([("a", 4)], 1, 1), "nothing proposed is no reason to wait"

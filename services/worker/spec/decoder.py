@@ -52,7 +52,8 @@ class SpecDecoder:
         # What a speculating step loses with its overlap: the host's time to build a step (the
         # runner measures it while steps overlap; 0 without overlap, where nothing is lost).
         self.sync_s = 0.0
-        self._wasted = 0                 # syncs in a row that drafted nothing
+        self._wasted = 0                 # syncs in a row whose proposals the cost model declined
+        self._declined = False           # the last drafts() call declined proposals it had
         self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
         self.cache = (SuffixCache(cfg.suffix_max_depth, cfg.suffix_cache_outputs)
                       if cfg.method == "suffix" else None)
@@ -112,10 +113,13 @@ class SpecDecoder:
     def drafts(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> dict[str, list[int]]:
         """rows: (request id, most drafts allowed) of the step's decode rows with a budget;
         base_tokens: the step's tokens without drafts; batch: its sequences -> drafts per row.
-        A step that read the previous one's tokens (paid the sync) and drafts nothing makes the
-        next syncs wait: 1, 2, 4 .. MAX_BACKOFF steps in a row of such steps (worth_trying)."""
+        A step that read the previous one's tokens (paid the sync), had proposals and still
+        drafted nothing (the cost model declined them: worth_trying's estimate was wrong) makes
+        the next syncs wait: 1, 2, 4 .. MAX_BACKOFF steps in a row of such steps. Steps where the
+        proposers found nothing do not count: the hit rate already prices them."""
+        self._declined = False
         out = self._drafts(rows, base_tokens, batch)
-        if rows and self.cfg.fixed_k(batch) is None:
+        if rows and self.cfg.fixed_k(batch) is None and (out or self._declined):
             self._wasted = 0 if out else self._wasted + 1
             if self._wasted:
                 self._backoff_until = self.acceptance.clock + min(MAX_BACKOFF, 1 << (self._wasted - 1))
@@ -124,6 +128,7 @@ class SpecDecoder:
     def _drafts(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> dict[str, list[int]]:
         if self.draft is not None:
             k = self._draft_k(rows, base_tokens, batch)
+            self._declined = not k
             return self.draft.propose([(rid, min(room, k)) for rid, room in rows]) if k else {}
         # A request's first proposal indexes its whole context (the suffix tries): at most
         # EXPLORE_ROWS never-asked rows a step, so a wave of new requests does not stall the host
@@ -152,6 +157,7 @@ class SpecDecoder:
         ids = list(proposals)
         ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), len(proposals[r])) for r in ids],
                       plain=self.plain_cost, sync_s=self.sync_s)
+        self._declined = not any(ks)
         return {rid: proposals[rid][:k] for rid, k in zip(ids, ks) if k}
 
     def worth_trying(self, rows: list[tuple[str, int]], base_tokens: int, batch: int) -> bool:
@@ -162,7 +168,7 @@ class SpecDecoder:
             return fixed > 0
         if self.spec_cost is None:
             return True
-        if self.acceptance.clock < self._backoff_until:   # the last syncs drafted nothing
+        if self.acceptance.clock < self._backoff_until:   # the last syncs' proposals were declined
             return False
         if self.draft is not None:
             return self._draft_k(rows, base_tokens, batch) > 0
