@@ -1,0 +1,276 @@
+"""The kvstore client's chunked zero-copy transfers (docs/kvstore.md): reads (Pin -> the caller's
+handle over the pinned views -> Release) and writes (Reserve -> fill -> checksum -> Commit),
+chunk by chunk, over the store's block memory mapped here or reached over NIXL through a staging
+slot. KvClient (kv_client.py) wraps them with its metrics; the lease they run under is KvLink's
+(kv_link.py).
+
+    transfers = ZeroCopyTransfers(link, copies, chunk_bytes)
+    found = transfers.read(ns, hashes, handle)   # handle(start, views, metas) -> [verified or None]
+    kept = transfers.write(ns, hashes, fill)     # fill(start, idx, slots) -> checksums or None
+
+Pipelined so the store's round trips overlap the copies: a read pins chunk k+1 on a helper thread
+while chunk k is handled, and releases chunk k in the background; a write commits chunk k (at most
+COMMITS_IN_FLIGHT at once) while chunk k+1 is reserved and filled. Both answer None when there is
+no arena here (the caller falls back to a window or gRPC bytes), and never raise."""
+from __future__ import annotations
+
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from services.common import kv_blocks
+from services.common.kv_blocks import checksum, kv_pb2
+from services.common.kv_link import LEASE_REFUSED, KvLink
+from services.common.kv_nixl import DONE, FAILED, NixlRemote
+from services.common.kv_shm import ArenaMapping, release_view
+
+COMMITS_IN_FLIGHT = 2   # a save's chunk k-1 and k checksummed and committed while k+1 is filled
+_RESERVED = kv_pb2.KV_PUT_STATUS_RESERVED
+KEPT = (kv_pb2.KV_PUT_STATUS_STORED, kv_pb2.KV_PUT_STATUS_EXISTS)
+
+
+class ConsumeFailed(Exception):
+    """The caller's consume raised (already logged): its chunk is a miss and the load ends."""
+
+
+def map_blocks(pool: ThreadPoolExecutor, fn, n: int) -> list:
+    """[fn(0), ..., fn(n - 1)], on the pool when more than one (numpy's copy and crc32c release
+    the GIL: the blocks of one call are copied and checksummed on several threads)."""
+    if n == 0:
+        return []
+    return [fn(0)] if n == 1 else list(pool.map(fn, range(n)))
+
+
+class ZeroCopyTransfers:
+    def __init__(self, link: KvLink, copies: ThreadPoolExecutor, chunk_bytes: int) -> None:
+        self._link = link
+        self._copies = copies
+        self.chunk_bytes = chunk_bytes      # bytes per zero-copy Pin / Reserve call
+        # A write's commits run beside the next chunk's fill; a read's pins ahead and releases.
+        self._commits = ThreadPoolExecutor(COMMITS_IN_FLIGHT, thread_name_prefix="kv-client-commit")
+        self._rpcs = ThreadPoolExecutor(2, thread_name_prefix="kv-client-rpc")
+
+    def _map(self, fn, n: int) -> list:
+        return map_blocks(self._copies, fn, n)
+
+    def _step(self, ns, arena=None) -> int:
+        """Blocks per Pin / Reserve: a chunk; over NIXL also what one staging slot holds."""
+        room = self.chunk_bytes if not isinstance(arena, NixlRemote) else min(self.chunk_bytes, arena.plane.slot_bytes)
+        return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, room // max(1, ns.block_bytes)))
+
+
+    def write(self, ns, hashes: list[bytes], fill, mapped_only: bool = False) -> int | None:
+        """Reserve, fill, checksum and commit, chunk by chunk, the commit of chunk k on a
+        helper thread while chunk k+1 is reserved and filled. None: no arena here."""
+        return self._link.leased(lambda arena, lease: self._write_chunks(ns, hashes, fill, arena, lease), mapped_only)
+
+    def _write_chunks(self, ns, hashes: list[bytes], fill, arena: ArenaMapping | NixlRemote, lease: int):
+        """Mapped here, `fill` writes into the reserved slots themselves; over NIXL into a staging
+        slot, which one NIXL WRITE then puts into the reserved slots before the commit."""
+        kept, pending = 0, collections.deque()   # commits in flight, at most COMMITS_IN_FLIGHT
+        nixl = isinstance(arena, NixlRemote)
+        bb = ns.block_bytes
+        try:
+            step = self._step(ns, arena)
+            for i in range(0, len(hashes), step):
+                chunk = hashes[i:i + step]
+                resp = self._link.call(self._link.stub.Reserve, kv_pb2.ReserveRequest(
+                    namespace=ns, block_hashes=chunk, lease=kv_pb2.ShmWindow(lease_id=lease)),
+                    self._link.deadline(0))
+                if resp is None:
+                    if i == 0 and self._link.refused_lease(lease):
+                        return LEASE_REFUSED
+                    break
+                reserved_at = time.monotonic()
+                staged = arena.plane.stage(reserved_at + self._link.timeout_s) if nixl and resp.reserve_id else None
+                idx, slots, offsets = [], [], []
+                for j, slot in enumerate(resp.slots[:len(chunk)]):
+                    view = None
+                    if slot.status == _RESERVED:
+                        if not nixl:
+                            view = arena.slot(slot.offset, bb)
+                        elif staged is not None and arena.valid(slot.offset, bb):
+                            view = staged.block(len(slots), bb)
+                            offsets.append(slot.offset)
+                    if view is not None:
+                        idx.append(i + j)
+                        slots.append(view)
+                    elif slot.status == kv_pb2.KV_PUT_STATUS_EXISTS:
+                        kept += 1
+                crcs, failed = None, False
+                if slots and len(resp.slots) == len(chunk) and len(slots) == sum(
+                        s.status == _RESERVED for s in resp.slots):
+                    try:
+                        crcs = fill(i, idx, slots)
+                    except Exception as exc:  # noqa: BLE001 - a failed fill is a dropped save
+                        self._link.log_once(f"kvstore save: filling the reserved slots failed ({type(exc).__name__}: "
+                                       f"{str(exc)[:120]})")
+                        failed = True
+                elif resp.reserve_id:
+                    failed = True             # a store answer we cannot use: give the slots back
+                if staged is not None:
+                    outcome = DONE
+                    if not failed:
+                        if crcs is None:      # computed before the staging slot is reused
+                            crcs = self._map(lambda k: checksum(slots[k]), len(slots))
+                        outcome = arena.transfer("WRITE", staged, list(enumerate(offsets)), bb,
+                                                 time.monotonic() + self._link.deadline(len(slots) * bb))
+                    staged.release()
+                    if outcome != DONE:
+                        self._link.nixl_failed(arena, outcome)
+                        if outcome != FAILED:
+                            break             # it may still land: no commit, no abort (the slots expire)
+                        failed = True
+                while len(pending) >= COMMITS_IN_FLIGHT:
+                    kept += pending.popleft().result()
+                if resp.reserve_id:
+                    pending.append(self._commits.submit(self._commit, lease, resp.reserve_id, slots, crcs, failed,
+                                                        reserved_at))
+                if failed:
+                    break
+        finally:
+            while pending:
+                kept += pending.popleft().result()
+        return kept
+
+    def _commit(self, lease: int, reserve_id: int, slots: list, crcs, abort: bool, reserved_at: float) -> int:
+        """The store checks the slots against our checksums and keeps the good ones; how many."""
+        try:
+            if not abort and crcs is None:
+                crcs = self._map(lambda k: checksum(slots[k]), len(slots))
+            # Slots held past half the lease's life may have been taken back: never claim them.
+            abort = abort or time.monotonic() - reserved_at > self._link.lease_ttl_s / 2
+            resp = self._link.call(self._link.stub.Commit, kv_pb2.CommitRequest(
+                lease=kv_pb2.ShmWindow(lease_id=lease), reserve_id=reserve_id,
+                checksums=[] if abort else list(crcs), abort=abort),
+                self._link.deadline(len(slots) * (len(slots[0]) if slots else 0)))
+            return 0 if resp is None else sum(s in KEPT for s in resp.statuses)
+        except Exception as exc:  # noqa: BLE001 - never into the caller
+            self._link.log_once(f"kvstore commit failed ({type(exc).__name__})")
+            return 0
+        finally:
+            for v in slots:
+                release_view(v)
+
+
+    def read(self, ns, hashes: list[bytes], handle, stop=(False,), mapped_only: bool = False) -> list[bool] | None:
+        """Pin, hand the views to `handle(start, views, metas) -> [verified or None]`, release,
+        chunk by chunk (until stop[0] is set). None: no arena here."""
+        return self._link.leased(lambda arena, lease: self._read_chunks(ns, hashes, handle, arena, lease, stop),
+                                 mapped_only)
+
+    def _read_chunks(self, ns, hashes: list[bytes], handle, arena: ArenaMapping | NixlRemote, lease: int, stop):
+        """Chunk k+1 is pinned (on a helper thread) while chunk k is consumed and verified, and
+        chunk k is released in the background: the store's round trips overlap the copies."""
+        found = [False] * len(hashes)
+        step = self._step(ns, arena)
+        starts = list(range(0, len(hashes), step))
+        if not starts:
+            return found
+
+        def pin(i: int):
+            return self._pin_chunk(ns, hashes[i:i + step], lease)
+        ahead = self._rpcs.submit(pin, starts[0])
+        releases = []
+        try:
+            for k, i in enumerate(starts):
+                pinned, ahead = ahead.result(), None
+                if pinned is not None and k and not all(m.block_hash for m in pinned[0].blocks):
+                    # Pinned ahead with the previous chunk still held, a block on disk may have
+                    # found no room in memory: once that chunk is given back, pin it again.
+                    if pinned[0].read_id:
+                        self._release_read(ns, lease, pinned[0].read_id, [])
+                    for f in releases:
+                        f.result()
+                    pinned = pin(i)
+                if pinned is not None and k + 1 < len(starts):
+                    ahead = self._rpcs.submit(pin, starts[k + 1])
+                if pinned is None:
+                    return LEASE_REFUSED if i == 0 and self._link.refused_lease(lease) else found
+                chunk = hashes[i:i + step]
+                ok, release = self._use_chunk(ns, chunk, i, arena, lease, handle, *pinned)
+                if release is not None:
+                    releases.append(self._rpcs.submit(release))
+                found[i:i + len(ok)] = ok
+                if len(ok) < len(chunk) or stop[0] or self._link.skip():
+                    break   # the store lost, or the caller's consume failed or had enough
+        finally:
+            if ahead is not None:   # pinned for nothing: given back
+                pinned = ahead.result()
+                if pinned is not None and pinned[0].read_id:
+                    self._release_read(ns, lease, pinned[0].read_id, [])
+            for f in releases:
+                f.result()
+        return found
+
+    def _pin_chunk(self, ns, chunk: list[bytes], lease: int):
+        """(PinResponse, when it came) or None: the Pin failed."""
+        resp = self._link.call(self._link.stub.Pin, kv_pb2.PinRequest(namespace=ns, block_hashes=chunk,
+                                                            lease=kv_pb2.ShmWindow(lease_id=lease)),
+                          self._link.deadline(len(chunk) * ns.block_bytes))
+        return None if resp is None else (resp, time.monotonic())
+
+    def _release_read(self, ns, lease: int, read_id: int, corrupt: list[int]) -> None:
+        self._link.call(self._link.stub.Release, kv_pb2.ReleaseRequest(lease=kv_pb2.ShmWindow(lease_id=lease),
+                                                             read_id=read_id, corrupt=corrupt),
+                   self._link.deadline(len(corrupt) * ns.block_bytes))
+
+    def _use_chunk(self, ns, chunk: list[bytes], first: int, arena: ArenaMapping | NixlRemote, lease: int, handle,
+                   resp, pinned_at: float):
+        """(found-and-verified per block of the chunk, shorter than the chunk: stop here; the
+        release to run, or None)."""
+        metas = list(resp.blocks)
+        if len(metas) != len(chunk):
+            metas = []   # an answer we cannot use: misses (and the pins given back)
+        staged, failed = None, False
+        if isinstance(arena, NixlRemote):
+            views, staged, failed = self._nixl_read(arena, ns, metas, chunk)
+        else:
+            views = [arena.slot(m.offset, ns.block_bytes)
+                     if m.block_hash == h and m.size == ns.block_bytes else None for m, h in zip(metas, chunk)]
+        read_only = [v.toreadonly() if v is not None else None for v in views]
+        try:
+            verified = handle(first, read_only, metas) if any(v is not None for v in views) else [None] * len(views)
+        except ConsumeFailed:
+            verified, failed = [None] * len(views), True
+        finally:
+            for v in read_only + views:
+                release_view(v)
+            if staged is not None:
+                staged.release()
+        # Pins held past half the lease's life may have been taken back: never trust those bytes.
+        late = time.monotonic() - pinned_at > self._link.lease_ttl_s / 2
+        release = None
+        if resp.read_id:
+            corrupt = [j for j, ok in enumerate(verified) if ok is False] if not late else []
+            release = lambda: self._release_read(ns, lease, resp.read_id, corrupt)  # noqa: E731
+        if failed:
+            return [], release   # shorter than the chunk: the load ends here
+        return [bool(v) and not late for v in verified] + [False] * (len(chunk) - len(verified)), release
+
+    def _nixl_read(self, remote: NixlRemote, ns, metas: list, chunk: list[bytes]):
+        """(views, the staging slot they are in or None, failed): one NIXL READ of the pinned
+        blocks into a staging slot, block j of the chunk at j * block_bytes; views[j] is None for
+        a miss. A READ that fails or misses its deadline makes every block a miss and ends the load."""
+        bb = ns.block_bytes
+        views: list = [None] * len(metas)
+        want = [j for j, (m, h) in enumerate(zip(metas, chunk))
+                if m.block_hash == h and m.size == bb and remote.valid(m.offset, bb)]
+        if not want:
+            return views, None, False
+        deadline = time.monotonic() + self._link.deadline(len(want) * bb)
+        staged = remote.plane.stage(deadline)
+        if staged is None:
+            return views, None, True
+        outcome = remote.transfer("READ", staged, [(j, metas[j].offset) for j in want], bb, deadline)
+        if outcome != DONE:
+            self._link.nixl_failed(remote, outcome)
+            return views, staged, True
+        for j in want:
+            views[j] = staged.block(j, bb)
+        return views, staged, False
+
+
+    def close(self) -> None:
+        self._commits.shutdown(wait=False)
+        self._rpcs.shutdown(wait=False)
