@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import SeqSchedule
+from services.worker.gpu_staging import Staging, fill_tables
 from services.worker.sampling import to_device
 from services.worker.kernels.attention import decode_splits
 from services.worker.models.llama import LlamaModel
@@ -57,7 +58,7 @@ class GpuExecutor:
         # Pinned staging so the copies are asynchronous (CPU runs, under the Triton interpreter in
         # tests, use plain memory); two sets, used by alternate steps.
         pin = dev.type == "cuda"
-        self._staging = [_Staging(self.i64.shape[0], self.i32.shape[0], s, mb, pin) for _ in range(2)]
+        self._staging = [Staging(self.i64.shape[0], self.i32.shape[0], s, mb, pin) for _ in range(2)]
         self._turn = 0
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if pin else 4
         self.graph_sizes = sorted(b for b in (graph_sizes or ()) if b <= max_num_seqs)
@@ -203,50 +204,3 @@ class GpuExecutor:
         log.info("captured %d decode CUDA graphs in %.1f s (batch sizes %d..%d)", len(self.graphs), took,
                  self.graph_sizes[0], self.graph_sizes[-1])
         return took
-
-
-def fill_tables(st: "_Staging", seqs: list[SeqSchedule], bs: int) -> np.ndarray:
-    """Block tables and context lengths of `seqs` into a staging set -> their query counts."""
-    counts = np.empty(len(seqs), dtype=np.int64)
-    owners, tables = st.row_owner, st.n_tables
-    for i, sq in enumerate(seqs):
-        nb = -(-sq.context_len // bs)
-        blocks = sq.block_ids
-        # Block tables only grow (the runner extends each request's list in place), so a row
-        # that held this very list in this buffer needs only its new blocks written.
-        owner, written = owners[i]
-        start = written if owner is blocks and written <= nb else 0
-        if start < nb:
-            tables[i, start:nb] = blocks[start:nb]
-        owners[i] = (blocks, nb)
-        st.n_lens[i] = sq.context_len
-        counts[i] = sq.num_scheduled_tokens
-    return counts
-
-
-class _Staging:
-    """One set of pinned host buffers mirroring the device inputs, and the event behind the
-    last copy out of them."""
-
-    def __init__(self, n64: int, n32: int, max_seqs: int, max_blocks: int, pin: bool) -> None:
-        self.h64 = torch.zeros(n64, dtype=torch.long, pin_memory=pin)
-        self.h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
-        self.n64, n32v = self.h64.numpy(), self.h32.numpy()
-        s = max_seqs
-        self.n_qsl = n32v[:s + 1]
-        self.n_lens = n32v[s + 1:2 * s + 1]
-        self.n_tables = n32v[2 * s + 1:].reshape(s, max_blocks)
-        # Per table row: (the block-id list it was filled from, how many blocks are written).
-        self.row_owner: list[tuple[list | None, int]] = [(None, 0)] * s
-        self.event = torch.cuda.Event() if pin else None
-        self.pending = False
-
-    def wait(self) -> None:
-        if self.pending:
-            self.event.synchronize()
-            self.pending = False
-
-    def record(self) -> None:
-        if self.event is not None:
-            self.event.record()
-            self.pending = True

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import SeqSchedule
+from services.worker.gpu_staging import fill_tables
 from services.worker.models.llama_triton import compute_logits_triton
 from services.worker.sampling import to_device
 
@@ -65,7 +66,6 @@ class VerifyGraphs:
     def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], src: list[int] | None,
                b: int, q: int) -> np.ndarray:
         """The executor's staging filled in the stride-q layout -> the real tokens' rows."""
-        from services.worker.gpu_exec import fill_tables
         ex = self.ex
         bs = ex.block_size
         st = ex._staging[ex._turn]

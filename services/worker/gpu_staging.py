@@ -1,0 +1,56 @@
+"""Pinned host staging for the GPU executor's persistent device inputs (gpu_exec.py) and the
+verify graphs' layout (gpu_verify.py): one set of host buffers mirroring the device ones, the event
+behind its last copy, and the block tables / context lengths written into it."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.worker.attention import SeqSchedule
+
+
+def fill_tables(st: "Staging", seqs: list[SeqSchedule], bs: int) -> np.ndarray:
+    """Block tables and context lengths of `seqs` into a staging set -> their query counts."""
+    counts = np.empty(len(seqs), dtype=np.int64)
+    owners, tables = st.row_owner, st.n_tables
+    for i, sq in enumerate(seqs):
+        nb = -(-sq.context_len // bs)
+        blocks = sq.block_ids
+        # Block tables only grow (the runner extends each request's list in place), so a row
+        # that held this very list in this buffer needs only its new blocks written.
+        owner, written = owners[i]
+        start = written if owner is blocks and written <= nb else 0
+        if start < nb:
+            tables[i, start:nb] = blocks[start:nb]
+        owners[i] = (blocks, nb)
+        st.n_lens[i] = sq.context_len
+        counts[i] = sq.num_scheduled_tokens
+    return counts
+
+
+class Staging:
+    """One set of pinned host buffers mirroring the device inputs, and the event behind the
+    last copy out of them."""
+
+    def __init__(self, n64: int, n32: int, max_seqs: int, max_blocks: int, pin: bool) -> None:
+        self.h64 = torch.zeros(n64, dtype=torch.long, pin_memory=pin)
+        self.h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self.n64, n32v = self.h64.numpy(), self.h32.numpy()
+        s = max_seqs
+        self.n_qsl = n32v[:s + 1]
+        self.n_lens = n32v[s + 1:2 * s + 1]
+        self.n_tables = n32v[2 * s + 1:].reshape(s, max_blocks)
+        # Per table row: (the block-id list it was filled from, how many blocks are written).
+        self.row_owner: list[tuple[list | None, int]] = [(None, 0)] * s
+        self.event = torch.cuda.Event() if pin else None
+        self.pending = False
+
+    def wait(self) -> None:
+        if self.pending:
+            self.event.synchronize()
+            self.pending = False
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+            self.pending = True
