@@ -100,12 +100,19 @@ def by_position(m, name: str) -> dict[str, float]:
 
 def test_seeded_n2_and_streamed_outputs_equal_plain_decoding(spec_mesh, mesh):
     kw = dict(max_tokens=48, temperature=0.9, seed=1234, n=2)
-    got = [c.message.content for c in chat(spec_mesh, REPEAT, **kw).choices]
-    want = [c.message.content for c in chat(mesh, REPEAT, **kw).choices]
-    assert got == want
-    streamed = "".join(c.choices[0].delta.content or "" for c in chat(spec_mesh, REPEAT, max_tokens=48,
+
+    def seeded(m):
+        return [c.message.content for c in chat(m, REPEAT, **kw).choices]
+
+    def streamed():
+        return "".join(c.choices[0].delta.content or "" for c in chat(spec_mesh, REPEAT, max_tokens=48,
                                                                       temperature=0, stream=True) if c.choices)
-    assert streamed == chat(mesh, REPEAT, max_tokens=48, temperature=0).choices[0].message.content
+    with cf.ThreadPoolExecutor(4) as pool:   # both meshes at once (separate engines)
+        got, want = pool.submit(seeded, spec_mesh), pool.submit(seeded, mesh)
+        got_stream = pool.submit(streamed)
+        want_whole = pool.submit(lambda: chat(mesh, REPEAT, max_tokens=48, temperature=0).choices[0].message.content)
+        assert got.result() == want.result()
+        assert got_stream.result() == want_whole.result()
 
 
 def test_sixteen_concurrent_requests_equal_plain_decoding(spec_mesh, mesh):
@@ -115,7 +122,9 @@ def test_sixteen_concurrent_requests_equal_plain_decoding(spec_mesh, mesh):
         with cf.ThreadPoolExecutor(16) as pool:
             return list(pool.map(lambda p: chat(m, p, max_tokens=32, temperature=0).choices[0].message.content,
                                  prompts))
-    assert outputs(spec_mesh) == outputs(mesh)
+    with cf.ThreadPoolExecutor(2) as pool:   # both meshes at once (separate engines)
+        got, want = pool.submit(outputs, spec_mesh), pool.submit(outputs, mesh)
+        assert got.result() == want.result()
 
 
 @pytest.mark.parametrize("cfg, says", [
@@ -136,6 +145,7 @@ def test_structured_outputs_validate_with_speculation(spec_mesh):
     masks apply to every verified row, so constrained outputs still parse and validate."""
     from tests.integration import structured_battery as battery
     client = client_of(spec_mesh)
-    for name in ("nested", "ranges"):
-        assert battery.run_whole(client, spec_mesh.model_name, name) == 2
-    assert battery.run_streamed(client, spec_mesh.model_name, "array") == 2
+    with cf.ThreadPoolExecutor(3) as pool:   # at once: one batch of six sequences on this CPU
+        runs = [pool.submit(battery.run_whole, client, spec_mesh.model_name, name) for name in ("nested", "ranges")]
+        runs.append(pool.submit(battery.run_streamed, client, spec_mesh.model_name, "array"))
+        assert [r.result() for r in runs] == [2, 2, 2]

@@ -177,8 +177,8 @@ def test_smollm2_drafting_for_itself_accepts_nearly_everything_and_the_metrics_s
     def value(metric, *labels):
         return metric.labels("", "draft_model", *labels)._value.get()
     before = (value(SPEC_ROWS), value(SPEC_DRAFTED_AT, "1"), value(SPEC_ACCEPTED_AT, "4"))
-    want, _, _, _ = run(smol, [prompt], sp, overlap=False, new_tokens=20, num_blocks=24)
-    got, _, s, _ = run(smol, [prompt], sp, overlap=False, new_tokens=20, num_blocks=24, spec=spec,
+    want, _, _, _ = run(smol, [prompt], sp, overlap=False, new_tokens=16, num_blocks=24)
+    got, _, s, _ = run(smol, [prompt], sp, overlap=False, new_tokens=16, num_blocks=24, spec=spec,
                        draft_model=load_model(smollm2_dir))
     assert got == want
     d = s.runner.spec
