@@ -9,14 +9,7 @@ import os
 import threading
 
 from services.common.kv_blocks import kv_pb2
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+from services.common.procs import boot_id  # noqa: F401 - kv_link imports it from here
 
 
 def map_shared(resp: "kv_pb2.OpenArenaResponse", size: int) -> mmap.mmap:

@@ -65,3 +65,13 @@ def install_stop_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
     watch_parent(lambda: loop.call_soon_threadsafe(on_stop))
+
+
+def boot_id() -> str:
+    """This machine's boot id ("" where /proc does not have it): two processes with the same one
+    run on the same host (kernel), so shared memory between them can work."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -19,16 +19,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from services.common.procs import boot_id
+
 HEADER_BYTES = 4096
 NONCE_BYTES = 32
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 class SharedFile:

@@ -37,19 +37,12 @@ import grpc
 import torch
 
 from services.common import pb
+from services.common.procs import boot_id as _boot_id
 
 log = logging.getLogger("meshllm.worker.kv_export")
 
 _HEADER = 4096
 _TOKEN = 32
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 # mmap (the default): the mapped cache (memfd / CUDA IPC), same host only; nixl: always NIXL;

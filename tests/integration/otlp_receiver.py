@@ -8,6 +8,9 @@ opentelemetry.proto.collector.trace.v1.TraceService/Export that keeps every span
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -117,3 +120,18 @@ class OtlpReceiver:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def prompt_export():
+    """Services started inside export each span within 0.1 s of its end (OTEL_BSP_SCHEDULE_DELAY),
+    so a test waits for its spans briefly; the variable is restored after."""
+    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY")
+        else:
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved

@@ -187,6 +187,21 @@ def _map_arena(opened: "kv_pb2.OpenArenaResponse") -> mmap.mmap:
         os.close(fd)
 
 
+def corrupt_in_arena(addr: str, ns, block_hash: bytes) -> None:
+    """Flip a byte of a stored block where it lies in the store's memory, as a same-host process
+    with the arena mapped could (pinned while it writes, released after)."""
+    with grpc.insecure_channel(addr) as ch:
+        stub = kv_pb2_grpc.KvStoreStub(ch)
+        opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
+        lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
+        pin = stub.Pin(kv_pb2.PinRequest(namespace=ns, block_hashes=[block_hash], lease=lease), timeout=5)
+        mm = _map_arena(opened)
+        mm[pin.blocks[0].offset + 100] ^= 0xFF
+        mm.close()
+        stub.Release(kv_pb2.ReleaseRequest(lease=lease, read_id=pin.read_id), timeout=5)
+        stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+
+
 def test_a_block_corrupted_in_place_is_found_by_the_reader_reported_and_removed(kvstore):
     client = KvClient(kvstore.addr)
     blocks = _blocks(3, b"rot-")
@@ -194,17 +209,7 @@ def test_a_block_corrupted_in_place_is_found_by_the_reader_reported_and_removed(
     try:
         assert client.put(NS, blocks) == 3
         before = client.stats().corrupt_blocks
-        # Another same-host process scribbles over block 1 where it lies in the store's memory.
-        with grpc.insecure_channel(kvstore.addr) as ch:
-            stub = kv_pb2_grpc.KvStoreStub(ch)
-            opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
-            lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
-            pin = stub.Pin(kv_pb2.PinRequest(namespace=NS, block_hashes=hashes[1:2], lease=lease), timeout=5)
-            mm = _map_arena(opened)
-            mm[pin.blocks[0].offset + 100] ^= 0xFF
-            mm.close()
-            stub.Release(kv_pb2.ReleaseRequest(lease=lease, read_id=pin.read_id), timeout=5)
-            stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+        corrupt_in_arena(kvstore.addr, NS, hashes[1])   # another same-host process scribbles over block 1
         seen = {}
         got = client.read_zero_copy(NS, hashes, lambda start, views: seen.update(
             {start + i: v is not None for i, v in enumerate(views)}))

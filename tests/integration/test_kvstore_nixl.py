@@ -27,7 +27,7 @@ from services.common.kv_blocks import kv_pb2
 from services.common.kv_client import KvClient
 from services.common.kv_nixl import nixl_api
 from tests.integration.meshproc import ROOT
-from tests.integration.test_kvstore import KvStoreProc, _map_arena
+from tests.integration.test_kvstore import KvStoreProc, corrupt_in_arena
 
 import services  # noqa: F401,E402
 from meshllm.v1 import kv_pb2_grpc  # noqa: E402
@@ -100,17 +100,7 @@ def test_a_block_corrupted_in_the_arena_is_found_by_the_nixl_reader_reported_and
     try:
         assert client.put(NS, blocks) == 3
         before = client.stats().corrupt_blocks
-        # A same-host process scribbles over block 1 where it lies in the store's memory.
-        with grpc.insecure_channel(kvstore.addr) as ch:
-            stub = kv_pb2_grpc.KvStoreStub(ch)
-            opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
-            lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
-            pin = stub.Pin(kv_pb2.PinRequest(namespace=NS, block_hashes=hashes[1:2], lease=lease), timeout=5)
-            mm = _map_arena(opened)
-            mm[pin.blocks[0].offset + 100] ^= 0xFF
-            mm.close()
-            stub.Release(kv_pb2.ReleaseRequest(lease=lease, read_id=pin.read_id), timeout=5)
-            stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+        corrupt_in_arena(kvstore.addr, NS, hashes[1])   # a same-host process scribbles over block 1
         assert client.get(NS, hashes) == [blocks[0][1], None, blocks[2][1]]   # READ, then refused by its CRC
         stats = client.stats()
         assert stats.corrupt_blocks == before + 1 and _idle(stats)             # reported, checked, removed

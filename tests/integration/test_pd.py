@@ -22,7 +22,7 @@ import pytest
 
 from services.common import pb
 from tests.integration.meshproc import service_name, start_mesh, stop_checked
-from tests.integration.otlp_receiver import OtlpReceiver
+from tests.integration.otlp_receiver import OtlpReceiver, prompt_export
 from tests.integration.test_kv_tiers import passage
 from tests.integration.test_supervisor_failures import replicas, wait_recovered
 
@@ -50,16 +50,9 @@ def _warm(m) -> None:
 def pd(smollm2_dir):
     """Also traced (a real OTLP receiver) and with the hermes tool-call parser."""
     rx = OtlpReceiver()
-    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"   # export within 0.1 s of a span's end
-    try:
+    with prompt_export():
         m = _pd_mesh(smollm2_dir, "--kv-lease-s", str(LEASE_S), "--otlp-traces-endpoint", rx.endpoint,
                      "--tool-call-parser", "hermes")
-    finally:
-        if saved is None:
-            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY")
-        else:
-            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
     m.otlp = rx
     try:
         _warm(m)

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.meshproc import ROOT, start_mesh
-from tests.integration.otlp_receiver import OtlpReceiver
+from tests.integration.otlp_receiver import OtlpReceiver, prompt_export
 
 # A fixed K (the dynamic_k table): whether the cost model speculates depends on step times, which
 # a shared 2-core CI machine makes noisy; the model's choices are tested in tests/unit.
@@ -30,16 +30,9 @@ REPEAT = [{"role": "user", "content": f"Repeat this text exactly, nothing else: 
 def spec_mesh(smollm2_dir):
     """Traced (a real OTLP receiver): requests' spans carry what was drafted and accepted."""
     rx = OtlpReceiver()
-    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"   # export within 0.1 s of a span's end
-    try:
+    with prompt_export():
         m = start_mesh(str(smollm2_dir), "--max-model-len", "1024", "--max-num-seqs", "32", "--speculative-config",
                        SPEC, "--otlp-traces-endpoint", rx.endpoint)
-    finally:
-        if saved is None:
-            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY")
-        else:
-            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
     m.otlp = rx
     try:
         yield m

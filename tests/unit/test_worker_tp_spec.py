@@ -78,19 +78,24 @@ def model_dir(tmp_path_factory):
     return path
 
 
+def tp_and_whole(model_dir, tmp_path, name: str, spec: dict, ps, sps, new_tokens: int = 16):
+    """A TP=2 worker speculating with `spec`, rank 0 overlapping steps, against plain decoding of
+    the whole model in this process -> (outputs, expected, drafts verified, tokens accepted)."""
+    want, _, _, _ = run_in_process(load_model(model_dir), ps, sps, overlap=False, new_tokens=new_tokens)
+    w = TpWorker(model_dir, tmp_path, name, "--speculative-config", json.dumps(spec), "--overlap-steps", "on")
+    try:
+        w.wait_listening()
+        got, drafted, accepted = drive(w, ps, sps, new_tokens)
+    finally:
+        w.stop()
+    return got, want, drafted, accepted
+
+
 def test_tp2_workers_speculate_with_rank_0s_choices_and_give_plain_decodings_tokens(model_dir, tmp_path):
     """Rank 0 overlaps steps (it decides to read the previous step before it builds a speculating
     one); rank 1 runs each request as it comes: they agree because rank 1 takes rank 0's choices."""
-    overlap = "on"
     ps, sps = repetitive(6), [mix(i) for i in range(6)]
-    want, _, _, _ = run_in_process(load_model(model_dir), ps, sps, overlap=False, new_tokens=16)
-    w = TpWorker(model_dir, tmp_path, f"spec-{overlap}", "--speculative-config", json.dumps(SPEC),
-                 "--overlap-steps", overlap)
-    try:
-        w.wait_listening()
-        got, drafted, accepted = drive(w, ps, sps, 16)
-    finally:
-        w.stop()
+    got, want, drafted, _ = tp_and_whole(model_dir, tmp_path, "spec", SPEC, ps, sps)
     assert got == want
     assert drafted > 0, "drafts were verified on both ranks (this random model rejects n-gram drafts: the test below accepts)"
 
@@ -100,14 +105,8 @@ def test_tp2_with_a_draft_model_on_rank_0_accepts_its_self_drafts_on_every_rank(
     model drafting for itself: greedy drafts accepted, so both ranks advance by accepted runs."""
     ps = repetitive(4)
     sps = [pb.common.SamplingParams(ignore_eos=True)] * 2 + [mix(1), mix(3)]
-    want, _, _, _ = run_in_process(load_model(model_dir), ps, sps, overlap=False, new_tokens=16)
     spec = {"method": "draft_model", "num_speculative_tokens": K, "model": str(model_dir), "dynamic_k": [[1, 64, K]]}
-    w = TpWorker(model_dir, tmp_path, "draft", "--speculative-config", json.dumps(spec), "--overlap-steps", "on")
-    try:
-        w.wait_listening()
-        got, drafted, accepted = drive(w, ps, sps, 16)
-    finally:
-        w.stop()
+    got, want, drafted, accepted = tp_and_whole(model_dir, tmp_path, "draft", spec, ps, sps)
     assert got == want
     # Greedy rows accept their self-drafts; the two sampled rows accept only where the sample
     # equals the greedy draft.
