@@ -4,8 +4,9 @@ any engine runs. Shared by the launcher (which refuses it), the scheduler (which
 tokens) and the worker (which proposes and verifies them). Pure: json and dataclasses only.
 
 Methods: "ngram" (prompt lookup: the longest recent n-gram of the request that occurred before,
-prompt_lookup_min..prompt_lookup_max tokens long, proposes what followed it), "suffix" (a suffix
-trie over the request's own tokens plus a bounded cache of recent outputs) and "draft_model" (a
+prompt_lookup_min..prompt_lookup_max tokens long, proposes what followed it), "suffix" (the most
+frequent continuation of the longest earlier match of the request's context, over its own
+tokens plus a bounded cache of recent outputs) and "draft_model" (a
 smaller model with the same tokenizer, run by the same worker). `dynamic_k`, a table
 [[min_batch, max_batch, K], ...], overrides the cost model's choice of K per batch size."""
 from __future__ import annotations

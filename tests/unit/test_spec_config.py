@@ -160,8 +160,8 @@ def test_a_wave_of_new_requests_is_proposed_for_a_few_at_a_time():
         d.start(f"r{i}", [5, 6, 7, 5, 6, 7, 5, 6], 0)
     rows = [(f"r{i}", 4) for i in range(40)]
 
-    def indexed():   # requests whose context the proposer has indexed (asked at least once)
-        return {rid for rid, p in d.proposers.items() if p._indexed}
+    def indexed():   # requests whose proposer was asked at least once
+        return {rid for rid in d.proposers if d.acceptance.seen(rid)}
     got = d.drafts(rows, 40, 40)
     assert len(indexed()) == EXPLORE_ROWS and set(got) == indexed()
     d.drafts(rows, 40, 40)

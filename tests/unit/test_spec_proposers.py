@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from services.worker.spec.ngram import NgramProposer
-from services.worker.spec.suffix import SuffixCache, SuffixProposer, SuffixTrie
+from services.worker.spec.suffix import SENTINEL, SuffixCache, SuffixProposer, propose
 
 
 def brute_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -38,48 +39,74 @@ def test_ngram_proposes_the_continuation_of_a_repeated_passage():
     assert prop.tokens == [1, 2, 3] + passage and prop.propose(4) == brute_ngram(prop.tokens, 2, 5, 4)
 
 
-def brute_counts(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
-    counts: dict[tuple[int, ...], int] = {}
-    for s in seqs:
-        for i in range(len(s)):
-            for j in range(i + 1, min(i + depth, len(s)) + 1):
-                counts[tuple(s[i:j])] = counts.get(tuple(s[i:j]), 0) + 1
-    return counts
+def brute_suffix(seqs: list[list[int]], context: list[int], k: int, depth: int,
+                 min_prob: float) -> tuple[list[int], int]:
+    """Suffix decoding's proposal by exhaustive search: the continuation counts of a context are
+    counted over every occurrence in every sequence (in order: ties go to the first seen)."""
+    def conts(c: tuple[int, ...]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in seqs:
+            for p in range(len(c) - 1, len(s) - 1):
+                if tuple(s[p - len(c) + 1:p + 1]) == c:
+                    out[s[p + 1]] = out.get(s[p + 1], 0) + 1
+        return out
+    ctx = list(context[-(depth - 1):]) if depth > 1 else []
+    out: list[int] = []
+    prob, matched, cur = 1.0, 0, None
+    while len(out) < k:
+        if cur is None:
+            for d in range(len(ctx), 0, -1):
+                if conts(tuple(ctx[len(ctx) - d:])):
+                    cur = tuple(ctx[len(ctx) - d:])
+                    matched = matched if out else d
+                    break
+            else:
+                break
+        counts = conts(cur)
+        token = max(counts, key=counts.__getitem__)
+        prob *= counts[token] / sum(counts.values())
+        if prob < min_prob:
+            break
+        out.append(token)
+        ctx = (ctx + [token])[-(depth - 1):]
+        cur = cur + (token,)        # the walk goes on down the longer context
+        if not conts(cur):
+            cur = None
+    return out, matched
 
 
-def trie_counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
-    out: dict[tuple[int, ...], int] = {}
-
-    def walk(node, path):
-        for t, child in (node[1] or {}).items():
-            out[path + (t,)] = child[0]
-            walk(child, path + (t,))
-    walk(trie.root, ())
-    return out
+def joined(seqs: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    toks = [t for s in seqs for t in s + [SENTINEL]]
+    return np.array(toks, dtype=np.int32), toks
 
 
-def test_the_suffix_trie_counts_every_context_and_removal_takes_them_back():
-    rng = random.Random(1)
-    seqs = [[rng.randrange(5) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
-    trie = SuffixTrie(4)
-    for s in seqs:
-        trie.start_sequence()
-        trie.extend(s)
-    assert trie_counts(trie) == brute_counts(seqs, 4)
-    for s in seqs[:3]:
-        trie.remove_sequence(s)
-    assert trie_counts(trie) == brute_counts(seqs[3:], 4), "removed sequences leave no count and no node"
+@pytest.mark.parametrize("seed", range(6))
+def test_suffix_proposals_equal_an_exhaustive_search(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 60))] for _ in range(rng.randrange(1, 4))]
+        context = [rng.randrange(4) for _ in range(rng.randrange(0, 9))]
+        depth, k, min_prob = rng.choice([1, 2, 4, 8]), rng.randrange(1, 9), rng.choice([0.0, 0.1, 0.4, 0.9])
+        assert propose(*joined(seqs), context, k, depth, min_prob) == brute_suffix(seqs, context, k, depth, min_prob)
+
+
+def test_a_request_text_proposal_equals_the_exhaustive_search_as_tokens_arrive():
+    rng = random.Random(7)
+    stream = [rng.randrange(6) for _ in range(200)]
+    prop = SuffixProposer(5, 0.1, None, stream[:3])
+    for i in range(3, len(stream)):
+        assert prop.propose(4) == brute_suffix([stream[:i]], stream[:i], 4, 5, 0.1)[0], i
+        prop.extend([stream[i]])
+    assert prop.tokens == stream
 
 
 def test_suffix_proposals_follow_the_most_frequent_continuation_and_stop_when_unlikely():
-    trie = SuffixTrie(4)
-    for s in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9]):
-        trie.start_sequence()
-        trie.extend(s)
-    draft, matched = trie.propose([7, 1, 2], 4, min_prob=0.1)
+    text = joined([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9]])
+    draft, matched = propose(*text, [7, 1, 2], 4, 4, min_prob=0.1)
     assert draft == [3, 4, 5, 6] and matched == 2
-    draft, _ = trie.propose([7, 1, 2], 4, min_prob=0.9)   # 3 is certain; 4 only 2 times in 3
+    draft, _ = propose(*text, [7, 1, 2], 4, 4, min_prob=0.9)   # 3 is certain; 4 only 2 times in 3
     assert draft == [3]
+    assert propose(*joined([[1, 2], [3, 4]]), [2], 3, 4, 0.0) == ([], 0), "no context runs into the next output"
 
 
 def test_suffix_proposer_uses_its_own_text_and_the_shared_cache_of_recent_outputs():

@@ -25,7 +25,7 @@ from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
 log = logging.getLogger(__name__)
 
-EXPLORE_ROWS = 8     # never-asked requests proposed for per step (their first proposal indexes their context)
+EXPLORE_ROWS = 8     # never-asked requests proposed for per step
 MAX_BACKOFF = 64     # steps: the longest wait after syncs that drafted nothing
 
 
@@ -130,9 +130,9 @@ class SpecDecoder:
             k = self._draft_k(rows, base_tokens, batch)
             self._declined = not k
             return self.draft.propose([(rid, min(room, k)) for rid, room in rows]) if k else {}
-        # A request's first proposal indexes its whole context (the suffix tries): at most
-        # EXPLORE_ROWS never-asked rows a step, so a wave of new requests does not stall the host
-        # before the acceptance measured on the first ones has said whether drafting pays.
+        # At most EXPLORE_ROWS never-asked rows a step: a wave of new requests (prior rates, hit
+        # rate 1) does not make every step sync and propose for all of them before the acceptance
+        # measured on the first ones has said whether drafting pays.
         unseen = 0
         asked = []
         for rid, room in rows:
