@@ -4,6 +4,13 @@ load, each in GB/s against a pinned host<->device copy of the same bytes measure
 run, and the TTFT of an 8k-token prompt recomputed vs with its prefix loaded from each tier.
 
   python3 bench/gpu_kv_tiers.py --out bench/results/gpu_kv_tiers.json
+  python3 bench/gpu_kv_tiers.py --variants cpu,gpu:r256,gpu:w256:f0 --out ...   # tier 2 again per variant
+
+A variant is CHECKSUMS[:rMIB][:wMIB][:fMIB][:cN]: the tier-2 save and load measured again in the
+same process with the block checksums on the GPU (kv_block_crc.py, the default) or on the
+client's CPU threads, and the client's zero-copy chunks changed (r: a Pin, w: a Reserve, f: a
+save's first Reserve, c: commits in flight); each reports its ratios and where its seconds went
+(the worker's copies, the client's stages).
 
 Drives the ModelRunner and its KvTiers in-process (the scheduler's plans built by hand through
 the worker's wire edge, as bench/gpu_decode.py does); the kvstore is its own process on the same
@@ -57,10 +64,50 @@ def floors(nbytes: int, reps: int) -> dict:
             "d2h_pinned": gbps(nbytes, timed(lambda: host.copy_(dev, non_blocking=True), reps))}
 
 
-def start_kvstore(capacity_gb: float) -> tuple[subprocess.Popen, str]:
+def crc_probe(crc, block_bytes: int, n_blocks: int, reps: int) -> dict:
+    """The GPU checksum (kv_block_crc.py) against the CPU's on random blocks, and its GB/s."""
+    if crc is None:
+        return {"available": False}
+    import crc32c
+    blocks = torch.randint(0, 256, (n_blocks, block_bytes), dtype=torch.uint8, device="cuda")
+    got = [v & 0xFFFFFFFF for v in crc(blocks[:8]).tolist()]
+    want = [crc32c.crc32c(blocks[i].cpu().numpy()) for i in range(8)]
+    return {"available": True, "matches_cpu": got == want, "seg_words": crc.seg_words,
+            **gbps(blocks.numel(), timed(lambda: crc(blocks), reps))}
+
+
+def host_probes(client, tiers, io, nbytes: int) -> dict:
+    """What a save's store-side check and a call's round trip cost here, alone: CRC-32C of the
+    arena's stored bytes (as the kvstore's commit does, 8 threads) vs of private memory, and
+    the median Lookup."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import crc32c
+    import numpy as np
+    out = {}
+    bb = tiers.block_bytes
+    arenas = [t for _, size, t, _ in io.maps._maps.values() if size >= nbytes] if io is not None else []
+    private = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    with ThreadPoolExecutor(8) as ex:
+        for name, arr in (("private", private), *((("arena", arenas[0][:nbytes].numpy()),) if arenas else ())):
+            views = [memoryview(arr[i:i + bb]) for i in range(0, nbytes, bb)]
+            list(ex.map(crc32c.crc32c, views))
+            t0 = time.perf_counter()
+            list(ex.map(crc32c.crc32c, views))
+            out[f"crc32c_8_threads_{name}_gbps"] = nbytes / (time.perf_counter() - t0) / 1e9
+    secs = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        client.lookup(tiers.namespace, [b"probe"])
+        secs.append(time.perf_counter() - t0)
+    out["lookup_rpc_ms_median"] = statistics.median(secs) * 1e3
+    return out
+
+
+def start_kvstore(capacity_gb: float, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--port", str(port), "--capacity-gb",
-                             str(capacity_gb), "--shm-window-mb", "256", "--shm-windows", "4"], cwd=ROOT,
+                             str(capacity_gb), "--shm-window-mb", "256", "--shm-windows", "4", *extra], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=open("/tmp/kvstore-bench.log", "w"))
     addr = f"127.0.0.1:{port}"
     probe = KvClient(addr, use_shm=False)
@@ -95,11 +142,16 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=int, default=0, help="the kvstore client's zero-copy chunk (0: its default)")
     ap.add_argument("--copy-threads", type=int, default=0, help="the client's checksum threads (0: its default)")
     ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: Python's)")
+    ap.add_argument("--variants", default="", help="CHECKSUMS[:rMIB][:wMIB][:fMIB][:cN],... (gpu or cpu): tier 2 again")
+    ap.add_argument("--store-copy-threads", type=int, default=0, help="the kvstore's --copy-threads (0: its default)")
+    ap.add_argument("--store-log-level", default="", help="the kvstore's --log-level (debug: its per-call timings)")
     args = ap.parse_args()
     n_blocks = args.prompt_len // BS
     model = build_model(llama31_8b_config(), max_len=args.prompt_len + 1024)
     runner = kv_runner(model, 24.0, None)
-    kv_proc, addr = start_kvstore(capacity_gb=3.0)
+    extra = (["--copy-threads", str(args.store_copy_threads)] if args.store_copy_threads else []) + \
+        (["--log-level", args.store_log_level] if args.store_log_level else [])
+    kv_proc, addr = start_kvstore(capacity_gb=3.0, extra=extra)
     try:
         if args.switch_interval:
             sys.setswitchinterval(args.switch_interval)
@@ -149,16 +201,14 @@ def main() -> int:
             host_ttft.append(time.perf_counter() - t0 + warm_prefill("host", i))
 
         # Tier 2: save through the kvstore (gather + D2H + put), then fetch into other blocks.
+        io = tiers.store_io
+        gpu_crc = io.crc if io is not None else None
+        out["gpu_checksum"] = crc_probe(gpu_crc, tiers.block_bytes, n_blocks, args.reps)
+
         def save():
             tiers.save([TierBlocks("s", src[:-1], hashes[:-1])])
             assert tiers.flush_saves(120.0)
             tiers.take_saves()   # as the runner's collect does
-        save_secs = []
-        for _ in range(args.reps):
-            client.flush(tiers.namespace)   # every rep stores the blocks anew
-            save_secs += timed(save, 1)
-        out["kvstore_save"] = gbps(nbytes - tiers.block_bytes, save_secs)
-        stored = client.lookup(tiers.namespace, hashes[:-1])
 
         def fetch():
             tiers.start_loads([TierBlocks("l", dst[:-1], hashes[:-1])])
@@ -166,10 +216,55 @@ def main() -> int:
             while not got:
                 got = tiers.take_loads(1.0)
             assert got[0].num_loaded == n_blocks - 1, got
-        for c in runner.kv_caches:
-            c[:, dst].zero_()
-        out["kvstore_load"] = gbps(nbytes - tiers.block_bytes, timed(fetch, args.reps))
-        same_tier = all(torch.equal(c[:, src[:-1]], c[:, dst[:-1]]) for c in runner.kv_caches)
+
+        zc = client._zero_copy
+        defaults = (zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.commits_in_flight)
+
+        def tier2(spec: str) -> dict:
+            checksums, *knobs = spec.split(":")
+            if io is not None:
+                io.crc = gpu_crc if checksums == "gpu" else None
+            zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.commits_in_flight = defaults
+            for k in knobs:
+                v = int(k[1:])
+                if k[0] == "r":
+                    zc.read_chunk_bytes = v << 20
+                elif k[0] == "w":
+                    zc.chunk_bytes = v << 20
+                elif k[0] == "f":
+                    zc.first_write_bytes = v << 20
+                elif k[0] == "c":
+                    zc.commits_in_flight = v
+            before_io, before_client = dict(io.stats) if io else {}, client.transfer_stats
+            save_secs = []
+            for _ in range(args.reps):
+                client.flush(tiers.namespace)   # every rep stores the blocks anew
+                save_secs += timed(save, 1)
+            stored = client.lookup(tiers.namespace, hashes[:-1])
+            mid_io, mid_client = dict(io.stats) if io else {}, client.transfer_stats
+            for c in runner.kv_caches:
+                c[:, dst].zero_()
+            load = gbps(nbytes - tiers.block_bytes, timed(fetch, args.reps))
+            same = all(torch.equal(c[:, src[:-1]], c[:, dst[:-1]]) for c in runner.kv_caches)
+            after_io, after_client = dict(io.stats) if io else {}, client.transfer_stats
+
+            def per_rep(a: dict, b: dict) -> dict:   # seconds per rep of each stage
+                return {k: (b.get(k, 0) - a.get(k, 0)) / args.reps for k in sorted(b) if b.get(k, 0) != a.get(k, 0)}
+            return {"checksums": checksums if io is not None and gpu_crc is not None else "cpu",
+                    "read_chunk_mib": zc.read_chunk_bytes >> 20, "write_chunk_mib": zc.chunk_bytes >> 20,
+                    "first_write_mib": zc.first_write_bytes >> 20, "commits_in_flight": zc.commits_in_flight,
+                    "save": gbps(nbytes - tiers.block_bytes, save_secs),
+                    "load": load, "blocks_stored": stored, "bytes_identical": same,
+                    "save_stages_s": {**per_rep(before_io, mid_io), **per_rep(before_client, mid_client)},
+                    "load_stages_s": {**per_rep(mid_io, after_io), **per_rep(mid_client, after_client)}}
+
+        if args.chunk_mb:
+            zc.chunk_bytes = zc.read_chunk_bytes = args.chunk_mb << 20
+            defaults = (zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.commits_in_flight)
+        first = tier2("gpu")
+        out["kvstore_save"], out["kvstore_load"] = first["save"], first["load"]
+        out["kvstore_stages"] = first
+        stored, same_tier = first["blocks_stored"], first["bytes_identical"]
         tier_ttft = []
         for i in range(args.reps):
             t0 = time.perf_counter()
@@ -184,6 +279,13 @@ def main() -> int:
         floor = out["floors"]["h2d_pinned"]["best_gbps"]
         out["ratios_vs_pinned_h2d"] = {k: out[k]["best_gbps"] / floor for k in
                                        ("host_offload", "host_load", "kvstore_save", "kvstore_load", "kvstore_get_only")}
+        out["variants"] = {}
+        out["probes"] = host_probes(client, tiers, io, nbytes)
+        for spec in filter(None, args.variants.split(",")):
+            v = tier2(spec)
+            v["ratios_vs_pinned_h2d"] = {"save": v["save"]["best_gbps"] / floor, "load": v["load"]["best_gbps"] / floor}
+            out["variants"][spec] = v
+            print(spec, json.dumps(v["ratios_vs_pinned_h2d"]), flush=True)
         cold_ms = statistics.median(dt for dt, _ in cold) * 1e3
         out["ttft_ms"] = {"recompute": cold_ms, "host_tier": statistics.median(host_ttft) * 1e3,
                           "kvstore_tier": statistics.median(tier_ttft) * 1e3}

@@ -8,6 +8,9 @@ over the fastest data plane it can reach, and never an exception into the caller
     # zero copy (None: no arena mapped here, use put / get_into):
     found = kv.read_zero_copy(ns, hashes, consume)   # consume(start, views): copy them out
     kept = kv.write_zero_copy(ns, hashes, fill)      # fill(start, idx, views): write into them
+    # ... the caller checksums (e.g. on its GPU, where the bytes land / come from):
+    found = kv.read_zero_copy(ns, hashes, consume, consumer_verifies=True)  # consume(start, views, crcs) -> [ok]
+    kept = kv.write_zero_copy(ns, hashes, fill)      # fill answers Filled(crcs, wait)
     kv.set_arena_hooks(on_map, on_unmap)             # e.g. cudaHostRegister the mapping
 
 Planes, fastest first: the memory backend's block memory mapped here (same host: blocks are read
@@ -41,12 +44,13 @@ from services.common.kv_link import KEEP_LOST_ARENA_S, NIXL_RETRY_S, KvLink  # n
 from services.common.kv_metrics import (AVAILABLE, BYTES, DROPPED, GBPS, HITS, MISSES, SAVED,  # noqa: F401
                                         SECONDS, TIER)
 from services.common.kv_shm import Window
-from services.common.kv_transfers import KEPT, ConsumeFailed, ZeroCopyTransfers, map_blocks
+from services.common.kv_transfers import KEPT, ConsumeFailed, Filled, ZeroCopyTransfers, map_blocks  # noqa: F401
 
 Block = tuple[bytes, object]   # (block hash, bytes-like of namespace.block_bytes bytes)
 Consume = Callable[[int, list], None]              # consume(start, views): views[i] is block start+i
 Fill = Callable[[int, list, list], object]         # fill(start, idx, views): views[k] is block idx[k]
 DATA_PLANES = ("auto", "zero_copy", "nixl", "shm", "grpc")
+WRITE_CHUNK_BYTES = 128 << 20   # the default Reserve chunk (at most chunk_bytes)
 
 
 def _nbytes(buf) -> memoryview:
@@ -59,7 +63,8 @@ class KvClient:
                  use_shm: bool = True, window_bytes: int = 64 << 20, timeout_s: float = 1.0,
                  lookup_timeout_s: float = 0.25, min_gbps: float = 0.2, retry_after_s: float = 0.5,
                  max_retry_after_s: float = 5.0, copy_threads: int | None = None,
-                 chunk_bytes: int = 128 << 20, data_plane: str = "auto", nixl_buffer_bytes: int = 128 << 20) -> None:
+                 chunk_bytes: int = 512 << 20, data_plane: str = "auto", nixl_buffer_bytes: int = 128 << 20,
+                 write_chunk_bytes: int | None = None, first_write_bytes: int = 16 << 20) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         self.address = address
@@ -68,7 +73,7 @@ class KvClient:
         self.data_plane = data_plane if use_shm else "grpc"
         self.use_shm = self.data_plane != "grpc"
         self.window_bytes = window_bytes
-        self.chunk_bytes = chunk_bytes      # bytes per zero-copy Pin / Reserve call
+        self.chunk_bytes = chunk_bytes      # bytes per zero-copy Pin call, and the most per Reserve
         self.timeout_s = timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self.min_gbps = min_gbps
@@ -83,7 +88,13 @@ class KvClient:
         # crc32c release the GIL); a zero-copy write's commits run beside the next chunk's fill.
         self._copies = ThreadPoolExecutor(copy_threads or min(8, os.cpu_count() or 1),
                                           thread_name_prefix="kv-client-copy")
-        self._zero_copy = ZeroCopyTransfers(self._link, self._copies, chunk_bytes)
+        # Chunks: a Pin of chunk_bytes (a round trip per chunk: fewer, larger ones keep the copies
+        # busy), a Reserve of write_chunk_bytes (default: up to 128 MiB: the store checks a commit
+        # while the next chunk is copied), a save's first one of first_write_bytes (that check
+        # starts sooner); measured in bench/gpu_kv_tiers.py.
+        write = write_chunk_bytes if write_chunk_bytes else min(chunk_bytes, WRITE_CHUNK_BYTES)
+        self._zero_copy = ZeroCopyTransfers(self._link, self._copies, write, read_chunk_bytes=chunk_bytes,
+                                            first_write_bytes=first_write_bytes)
 
     # ---- the API ----------------------------------------------------------------------
     @property
@@ -141,9 +152,12 @@ class KvClient:
         mapped here (use put). Otherwise slots are reserved for the blocks the store does not
         hold, `fill(start, idx, views)` writes block `idx[k]` (an index into block_hashes) into
         the writable memoryview `views[k]` (e.g. a GPU->host DMA) and returns once the bytes are
-        there; the client checksums the slots and commits them. Chunked (each chunk's commit
-        overlaps the next chunk's fill). Returns the blocks the store now holds (stored or
-        already there); a fill that raises drops its chunk and the rest. Never raises."""
+        there; the client checksums the slots and commits them. Or fill answers a Filled: the
+        slots' CRC-32Cs, computed by the caller from its own bytes (the store still checks
+        them against what landed), and a wait for its copies, which the commit runs first (the
+        fill only started them). Chunked (each chunk's commit overlaps the next chunk's fill).
+        Returns the blocks the store now holds (stored or already there); a fill that raises
+        drops its chunk and the rest. Never raises."""
         if not block_hashes:
             return 0
         if self._link.skip():
@@ -151,9 +165,9 @@ class KvClient:
             return 0
         start = time.perf_counter()
 
-        def fill_then_checksum(first: int, idx: list[int], slots: list) -> None:
-            fill(first, idx, slots)
-            return None   # the commit step checksums the slots on the pool
+        def fill_then_checksum(first: int, idx: list[int], slots: list) -> Filled | None:
+            out = fill(first, idx, slots)
+            return out if isinstance(out, Filled) else None   # None: the commit checksums the slots
 
         kept = self._zero_copy.write(ns, list(block_hashes), fill_then_checksum, mapped_only=True)
         return None if kept is None else self._saved(ns, len(block_hashes), kept, start)
@@ -229,7 +243,7 @@ class KvClient:
         return self._loaded(ns, found, start)
 
     def read_zero_copy(self, ns: "kv_pb2.KvNamespace", block_hashes: Sequence[bytes],
-                       consume: Consume) -> list[bool] | None:
+                       consume: Consume, consumer_verifies: bool = False) -> list[bool] | None:
         """Load blocks straight out of the store's memory: None when no arena is mapped here
         (use get_into). Otherwise the found blocks are pinned and `consume(start, views)` is
         called on this thread, chunk by chunk (a chunk where nothing was found is skipped):
@@ -239,7 +253,13 @@ class KvClient:
         blocks are misses, never pinned). Meanwhile the client
         verifies every view's CRC-32C on its pool; then the blocks are unpinned (the corrupt
         ones reported to the store). True where the block was found and verified; a consume
-        that raises makes its chunk misses and ends the load. Never raises."""
+        that raises makes its chunk misses and ends the load. Never raises.
+
+        consumer_verifies: consume(start, views, checksums) verifies the bytes itself, where they
+        landed (checksums[i]: block start+i's stored CRC-32C, None for a miss), and answers
+        [True / False (corrupt: reported to the store) / None (not copied)] per view; no CPU
+        thread of the client reads the blocks, and the load ends after a chunk that was not
+        all copied and verified."""
         if not block_hashes:
             return []
         if self._link.skip():
@@ -260,8 +280,21 @@ class KvClient:
                 raise ConsumeFailed() from None
             return [None if f is None else f.result() == m.checksum for f, m in zip(crcs, metas)]
 
+        def verified_by_consumer(first: int, views: list, metas: list) -> list[bool | None]:
+            try:
+                got = list(consume(first, views, [m.checksum if v is not None else None
+                                                  for v, m in zip(views, metas)]))
+            except Exception as exc:  # noqa: BLE001 - the caller's copy failed: misses, reported once
+                self._link.log_once(f"kvstore load: consume failed ({type(exc).__name__}: {str(exc)[:120]})")
+                raise ConsumeFailed() from None
+            got = [v if v in (True, False) else None for v in got[:len(views)]] + [None] * (len(views) - len(got))
+            if not all(got):
+                stop[0] = True
+            return got
+
         stop = [False]
-        found = self._zero_copy.read(ns, list(block_hashes), verify_beside, stop, mapped_only=True)
+        found = self._zero_copy.read(ns, list(block_hashes), verified_by_consumer if consumer_verifies else verify_beside,
+                                     stop, mapped_only=True)
         return None if found is None else self._loaded(ns, found, start)
 
     def _loaded(self, ns, found: list[bool], start: float) -> list[bool]:
@@ -306,6 +339,11 @@ class KvClient:
         if nbytes:
             BYTES.labels(TIER, direction).inc(nbytes)
             GBPS.labels(TIER, direction).set(nbytes / dt / 1e9 if dt > 0 else 0.0)
+
+    @property
+    def transfer_stats(self) -> dict[str, float]:
+        """Seconds per zero-copy stage, summed since this client began (benchmarks)."""
+        return dict(self._zero_copy.stats)
 
     def stats(self) -> "kv_pb2.StatsResponse | None":
         if self._link.skip():

@@ -6,17 +6,22 @@ slot. KvClient (kv_client.py) wraps them with its metrics; the lease they run un
 
     transfers = ZeroCopyTransfers(link, copies, chunk_bytes)
     found = transfers.read(ns, hashes, handle)   # handle(start, views, metas) -> [verified or None]
-    kept = transfers.write(ns, hashes, fill)     # fill(start, idx, slots) -> checksums or None
+    kept = transfers.write(ns, hashes, fill)     # fill(start, idx, slots) -> Filled, checksums or None
 
 Pipelined so the store's round trips overlap the copies: a read pins chunk k+1 on a helper thread
 while chunk k is handled, and releases chunk k in the background; a write commits chunk k (at most
-COMMITS_IN_FLIGHT at once) while chunk k+1 is reserved and filled. Both answer None when there is
-no arena here (the caller falls back to a window or gRPC bytes), and never raise."""
+COMMITS_IN_FLIGHT at once) while chunk k+1 is reserved and filled. A fill may only start its
+copies and answer a Filled (its own checksums, and a wait for the copies): the commit thread then
+waits, so the next chunk's Reserve overlaps this chunk's copies. Both answer None when there is
+no arena here (the caller falls back to a window or gRPC bytes), and never raise. `stats` sums
+the seconds of each stage (bench/gpu_kv_tiers.py reports them)."""
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from services.common import kv_blocks
 from services.common.kv_blocks import checksum, kv_pb2
@@ -24,9 +29,19 @@ from services.common.kv_link import LEASE_REFUSED, KvLink
 from services.common.kv_nixl import DONE, FAILED, NixlRemote
 from services.common.kv_shm import ArenaMapping, release_view
 
-COMMITS_IN_FLIGHT = 2   # a save's chunk k-1 and k checksummed and committed while k+1 is filled
+COMMITS_IN_FLIGHT = 3   # a save's chunks k-2..k copied, checksummed and committed while k+1 is filled
 _RESERVED = kv_pb2.KV_PUT_STATUS_RESERVED
 KEPT = (kv_pb2.KV_PUT_STATUS_STORED, kv_pb2.KV_PUT_STATUS_EXISTS)
+
+
+@dataclass
+class Filled:
+    """What a fill may answer: the CRC-32C of each slot's bytes, computed by the filler from
+    its own copy of them (the store checks them against what landed on Commit), and `wait()`,
+    which returns once the bytes are in the slots (None: they are already) and raises if the
+    copies failed (the chunk is then dropped)."""
+    checksums: list[int]
+    wait: Callable[[], None] | None = None
 
 
 class ConsumeFailed(Exception):
@@ -42,21 +57,43 @@ def map_blocks(pool: ThreadPoolExecutor, fn, n: int) -> list:
 
 
 class ZeroCopyTransfers:
-    def __init__(self, link: KvLink, copies: ThreadPoolExecutor, chunk_bytes: int) -> None:
+    def __init__(self, link: KvLink, copies: ThreadPoolExecutor, chunk_bytes: int, read_chunk_bytes: int = 0,
+                 first_write_bytes: int = 0) -> None:
         self._link = link
         self._copies = copies
-        self.chunk_bytes = chunk_bytes      # bytes per zero-copy Pin / Reserve call
+        self.chunk_bytes = chunk_bytes      # bytes per zero-copy Reserve call (at most)
+        self.read_chunk_bytes = read_chunk_bytes or chunk_bytes   # ... per Pin call
+        # A write's first chunk (0: chunk_bytes), then twice the last up to chunk_bytes: the
+        # store's check of the first commit starts sooner (it is what a save waits for).
+        self.first_write_bytes = first_write_bytes
         # A write's commits run beside the next chunk's fill; a read's pins ahead and releases.
-        self._commits = ThreadPoolExecutor(COMMITS_IN_FLIGHT, thread_name_prefix="kv-client-commit")
+        self.commits_in_flight = COMMITS_IN_FLIGHT
+        self._commits = ThreadPoolExecutor(2 * COMMITS_IN_FLIGHT, thread_name_prefix="kv-client-commit")
         self._rpcs = ThreadPoolExecutor(2, thread_name_prefix="kv-client-rpc")
+        self.stats = collections.Counter()   # seconds per stage, summed over calls (benchmarks)
+
+    def _timed(self, key: str, t0: float) -> None:
+        self.stats[key] += time.perf_counter() - t0
 
     def _map(self, fn, n: int) -> list:
         return map_blocks(self._copies, fn, n)
 
-    def _step(self, ns, arena=None) -> int:
+    def _step(self, ns, arena=None, chunk_bytes: int = 0) -> int:
         """Blocks per Pin / Reserve: a chunk; over NIXL also what one staging slot holds."""
-        room = self.chunk_bytes if not isinstance(arena, NixlRemote) else min(self.chunk_bytes, arena.plane.slot_bytes)
+        room = chunk_bytes or self.chunk_bytes
+        if isinstance(arena, NixlRemote):
+            room = min(room, arena.plane.slot_bytes)
         return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, room // max(1, ns.block_bytes)))
+
+    def _write_spans(self, ns, n: int, arena) -> list[tuple[int, int]]:
+        """(first block, count) of each Reserve: first_write_bytes, doubling up to a chunk."""
+        step = self._step(ns, arena)
+        size = max(1, min(step, self.first_write_bytes // max(1, ns.block_bytes))) if self.first_write_bytes else step
+        spans, i = [], 0
+        while i < n:
+            spans.append((i, min(size, n - i)))
+            i, size = i + size, min(step, size * 2)
+        return spans
 
 
     def write(self, ns, hashes: list[bytes], fill, mapped_only: bool = False) -> int | None:
@@ -71,12 +108,13 @@ class ZeroCopyTransfers:
         nixl = isinstance(arena, NixlRemote)
         bb = ns.block_bytes
         try:
-            step = self._step(ns, arena)
-            for i in range(0, len(hashes), step):
-                chunk = hashes[i:i + step]
+            for i, count in self._write_spans(ns, len(hashes), arena):
+                chunk = hashes[i:i + count]
+                t0 = time.perf_counter()
                 resp = self._link.call(self._link.stub.Reserve, kv_pb2.ReserveRequest(
                     namespace=ns, block_hashes=chunk, lease=kv_pb2.ShmWindow(lease_id=lease)),
                     self._link.deadline(0))
+                self._timed("write_reserve_s", t0)
                 if resp is None:
                     if i == 0 and self._link.refused_lease(lease):
                         return LEASE_REFUSED
@@ -97,15 +135,24 @@ class ZeroCopyTransfers:
                         slots.append(view)
                     elif slot.status == kv_pb2.KV_PUT_STATUS_EXISTS:
                         kept += 1
-                crcs, failed = None, False
+                crcs, wait, failed = None, None, False
                 if slots and len(resp.slots) == len(chunk) and len(slots) == sum(
                         s.status == _RESERVED for s in resp.slots):
+                    t0 = time.perf_counter()
                     try:
                         crcs = fill(i, idx, slots)
+                        if isinstance(crcs, Filled):
+                            crcs, wait = list(crcs.checksums), crcs.wait
+                            if len(crcs) != len(slots):
+                                raise ValueError(f"{len(crcs)} checksums for {len(slots)} slots")
+                            if nixl and wait is not None:
+                                wait()     # in the staging slot before the NIXL WRITE
+                                wait = None
                     except Exception as exc:  # noqa: BLE001 - a failed fill is a dropped save
                         self._link.log_once(f"kvstore save: filling the reserved slots failed ({type(exc).__name__}: "
                                        f"{str(exc)[:120]})")
                         failed = True
+                    self._timed("write_fill_s", t0)
                 elif resp.reserve_id:
                     failed = True             # a store answer we cannot use: give the slots back
                 if staged is not None:
@@ -121,29 +168,48 @@ class ZeroCopyTransfers:
                         if outcome != FAILED:
                             break             # it may still land: no commit, no abort (the slots expire)
                         failed = True
-                while len(pending) >= COMMITS_IN_FLIGHT:
+                t0 = time.perf_counter()
+                while len(pending) >= self.commits_in_flight:
                     kept += pending.popleft().result()
+                self._timed("write_commit_wait_s", t0)
                 if resp.reserve_id:
                     pending.append(self._commits.submit(self._commit, lease, resp.reserve_id, slots, crcs, failed,
-                                                        reserved_at))
+                                                        reserved_at, wait))
                 if failed:
                     break
         finally:
+            t0 = time.perf_counter()
             while pending:
                 kept += pending.popleft().result()
+            self._timed("write_commit_wait_s", t0)
         return kept
 
-    def _commit(self, lease: int, reserve_id: int, slots: list, crcs, abort: bool, reserved_at: float) -> int:
-        """The store checks the slots against our checksums and keeps the good ones; how many."""
+    def _commit(self, lease: int, reserve_id: int, slots: list, crcs, abort: bool, reserved_at: float,
+                wait=None) -> int:
+        """The store checks the slots against our checksums and keeps the good ones; how many.
+        `wait`: the fill's copies, finished first, even for an abort (no copy may still write a
+        slot given back); a failed one aborts the reservation."""
         try:
+            if wait is not None:
+                t0 = time.perf_counter()
+                try:
+                    wait()
+                except Exception as exc:  # noqa: BLE001 - the copies failed: the slots go back
+                    self._link.log_once(f"kvstore save: the copies into the slots failed ({type(exc).__name__})")
+                    abort = True
+                self._timed("write_copy_wait_s", t0)
             if not abort and crcs is None:
+                t0 = time.perf_counter()
                 crcs = self._map(lambda k: checksum(slots[k]), len(slots))
+                self._timed("write_checksum_s", t0)
             # Slots held past half the lease's life may have been taken back: never claim them.
             abort = abort or time.monotonic() - reserved_at > self._link.lease_ttl_s / 2
+            t0 = time.perf_counter()
             resp = self._link.call(self._link.stub.Commit, kv_pb2.CommitRequest(
                 lease=kv_pb2.ShmWindow(lease_id=lease), reserve_id=reserve_id,
                 checksums=[] if abort else list(crcs), abort=abort),
                 self._link.deadline(len(slots) * (len(slots[0]) if slots else 0)))
+            self._timed("write_commit_rpc_s", t0)
             return 0 if resp is None else sum(s in KEPT for s in resp.statuses)
         except Exception as exc:  # noqa: BLE001 - never into the caller
             self._link.log_once(f"kvstore commit failed ({type(exc).__name__})")
@@ -163,7 +229,7 @@ class ZeroCopyTransfers:
         """Chunk k+1 is pinned (on a helper thread) while chunk k is consumed and verified, and
         chunk k is released in the background: the store's round trips overlap the copies."""
         found = [False] * len(hashes)
-        step = self._step(ns, arena)
+        step = self._step(ns, arena, self.read_chunk_bytes)
         starts = list(range(0, len(hashes), step))
         if not starts:
             return found
@@ -174,7 +240,9 @@ class ZeroCopyTransfers:
         releases = []
         try:
             for k, i in enumerate(starts):
+                t0 = time.perf_counter()
                 pinned, ahead = ahead.result(), None
+                self._timed("read_pin_wait_s", t0)
                 if pinned is not None and k and not all(m.block_hash for m in pinned[0].blocks):
                     # Pinned ahead with the previous chunk still held, a block on disk may have
                     # found no room in memory: once that chunk is given back, pin it again.
@@ -188,7 +256,9 @@ class ZeroCopyTransfers:
                 if pinned is None:
                     return LEASE_REFUSED if i == 0 and self._link.refused_lease(lease) else found
                 chunk = hashes[i:i + step]
+                t0 = time.perf_counter()
                 ok, release = self._use_chunk(ns, chunk, i, arena, lease, handle, *pinned)
+                self._timed("read_use_s", t0)
                 if release is not None:
                     releases.append(self._rpcs.submit(release))
                 found[i:i + len(ok)] = ok

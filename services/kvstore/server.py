@@ -19,6 +19,7 @@ from services.common.kv_blocks import NamespaceError, copy_into, kv_pb2
 from services.common.metrics import start_metrics_server
 from services.kvstore import metrics
 from services.kvstore.arena import Arena, LeaseError
+from services.kvstore.call_timing import timed_call as _timed_call, timed_commit
 from services.kvstore.config import MIB, KvStoreConfig
 from services.kvstore.nixl_export import NixlExport, start_nixl
 from services.kvstore.store import PutStatus, Store
@@ -241,6 +242,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
                     else grpc.StatusCode.RESOURCE_EXHAUSTED)
             await context.abort(code, str(exc))
 
+    @_timed_call("pin")
     async def Pin(self, request, context):
         hashes = list(request.block_hashes)
         ns_id, lease_id = await self._zero_copy_call(request, context, hashes)
@@ -277,6 +279,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
             log.warning("a reader reported %d corrupt blocks; %d were (removed)", len(set(corrupt)), bad)
         return kv_pb2.ReleaseResponse(corrupt_removed=bad)
 
+    @_timed_call("reserve")
     async def Reserve(self, request, context):
         hashes = list(request.block_hashes)
         ns_id, lease_id = await self._zero_copy_call(request, context, hashes)
@@ -296,6 +299,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         self.expire()
         return self.store.reserve(ns_id, block_bytes, hashes)
 
+    @_timed_call("commit")
     async def Commit(self, request, context):
         lease_id = await self._lease(request.lease, context)
         t = self.transfers.take(lease_id, request.reserve_id, "reserve")
@@ -312,7 +316,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         claimed = [0] * len(t.blocks)
         for i, crc in zip(where, request.checksums):
             claimed[i] = crc
-        statuses = await self._run(self.store.commit, t.ns_id, t.block_bytes, t.hashes, t.blocks, claimed,
+        statuses = await self._run(timed_commit, self.store.commit, t.ns_id, t.block_bytes, t.hashes, t.blocks, claimed,
                                    self._map(len(where)))
         out = [statuses[i] for i in where]
         for s in out:

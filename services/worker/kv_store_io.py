@@ -5,10 +5,17 @@ On the kvstore's host the client maps the store's block memory (services/common/
 here that mapping is registered with CUDA once (cudaHostRegister: the GPU's copy engines then
 read and write it as they do pinned memory). A load is then one host-to-device copy per run of
 adjacent blocks, straight out of the store's memory into a device staging buffer, and a scatter
-into the cache; a save one device-to-host copy per run into the slots the store reserved. The
-client verifies (loads) or computes (saves) each block's CRC-32C on its threads while the copies
-run. Where no arena is mapped (the kvstore on another host, or its Redis backend) the client's
-copying calls are used, through host memory.
+into the cache; a save one device-to-host copy per run into the slots the store reserved.
+
+Checksums: on a GPU with Triton each block's CRC-32C is computed on the device
+(kv_block_crc.py): a load verifies the staged bytes, what actually landed, against the store's
+checksum (a mismatch is a miss, reported to the store); a save checksums the gathered blocks
+once, before their copies, and its fill only starts the copies (the client's commit thread waits
+for them), so the next chunk's Reserve overlaps them; the store verifies what landed on Commit.
+No CPU thread of the worker reads the blocks. Elsewhere (the CPU, no Triton, a block size the
+kernel does not cut, device_checksums=False) the client verifies (loads) or computes (saves)
+each block's CRC-32C on its threads while the copies run. Where no arena is mapped (the kvstore
+on another host, or its Redis backend) the client's copying calls are used, through host memory.
 
     io = StoreIO(client, block_shape, device, scatter)
     n = io.load(namespace, hashes, block_ids, deadline)   # leading blocks loaded; None: no arena
@@ -25,6 +32,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from services.common.kv_transfers import Filled
 
 log = logging.getLogger("meshllm.worker.kv_store_io")
 
@@ -108,7 +117,7 @@ class ArenaMappings:
 
 class StoreIO:
     def __init__(self, client, block_shape: tuple[int, ...], device: torch.device,
-                 scatter: Callable[[list[int], torch.Tensor], None]) -> None:
+                 scatter: Callable[[list[int], torch.Tensor], None], device_checksums: bool = True) -> None:
         self.client = client
         self.block_shape = block_shape
         self.block_bytes = int(np.prod(block_shape))
@@ -123,7 +132,32 @@ class StoreIO:
         self._scatter_stream = torch.cuda.Stream(device) if self.cuda else None
         self._scattered: list = []            # per staging buffer: its last scatter's event
         self._save_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._crc_host: torch.Tensor | None = None   # pinned: a load chunk's device checksums
+        self._crc_stream = torch.cuda.Stream(device) if self.cuda else None   # a save's checksums
+        self.crc = self._device_crc() if self.cuda and device_checksums else None
         client.set_arena_hooks(self.maps.on_map, self.maps.on_unmap)
+
+    def _device_crc(self):
+        """The GPU's CRC-32C for our blocks, compiled and checked against the CPU's here (None:
+        the client checksums on the CPU)."""
+        try:
+            from services.common.kv_blocks import checksum
+            from services.worker.kv_block_crc import BlockCrc
+            crc = BlockCrc.for_size(self.block_bytes)
+            if crc is None:
+                log.info("kvstore tier: no GPU checksum for %d-byte blocks: the client checksums them", self.block_bytes)
+                return None
+            probe = torch.randint(0, 256, (2, self.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+            with torch.cuda.stream(self._save_stream):
+                got = crc(probe.to(self.device, non_blocking=False)).cpu().tolist()
+            want = [checksum(probe[i].numpy()) for i in range(2)]
+            if [g & 0xFFFFFFFF for g in got] != want:
+                log.warning("kvstore tier: the GPU checksum disagrees with the CPU's: the client checksums")
+                return None
+            return crc
+        except Exception as exc:  # noqa: BLE001 - no GPU checksum: the CPU path
+            log.warning("kvstore tier: no GPU checksum (%s: %s): the client checksums", type(exc).__name__, str(exc)[:200])
+            return None
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=self.cuda)
@@ -144,26 +178,43 @@ class StoreIO:
             copied[0] = start + k
             return k == len(views)   # nothing after a miss is used
 
+        def consume_verified(start: int, views: list, crcs: list) -> list:
+            """The device checksums what landed in staging (verified[i], None: not copied)."""
+            if start != copied[0] or time.monotonic() >= deadline:
+                return [None] * len(views)
+            k = next((i for i, v in enumerate(views) if v is None), len(views))
+            verified: list = [None] * len(views)
+            if k:
+                got = self._load_chunk(block_ids[start:start + k], views[:k])
+                verified[:k] = [(g & 0xFFFFFFFF) == c for g, c in zip(got, crcs[:k])]
+            ok = next((i for i, v in enumerate(verified) if not v), len(views))
+            copied[0] = start + ok
+            return verified
+
         t0 = time.perf_counter()
-        found = self.client.read_zero_copy(ns, hashes, consume)
+        if self.crc is not None:
+            found = self.client.read_zero_copy(ns, hashes, consume_verified, consumer_verifies=True)
+        else:
+            found = self.client.read_zero_copy(ns, hashes, consume)
         if found is None:
             return None
         self.stats["load_s"] += time.perf_counter() - t0
         verified = next((i for i, f in enumerate(found) if not f), len(found))
         return min(verified, copied[0])
 
-    def _load_chunk(self, blocks: list[int], views: list) -> None:
+    def _load_chunk(self, blocks: list[int], views: list) -> list[int] | None:
         t0 = time.perf_counter()
         try:
-            self._copy_in(blocks, views)
+            return self._copy_in(blocks, views)
         finally:
             self.stats["load_copy_s"] += time.perf_counter() - t0
             self.stats["load_chunks"] += 1
 
-    def _copy_in(self, blocks: list[int], views: list) -> None:
+    def _copy_in(self, blocks: list[int], views: list) -> list[int] | None:
         """Staging chunk by chunk: on a GPU two staging buffers alternate, so the copies into one
-        run (the load stream) while the other is scattered into the cache (the scatter stream);
-        complete on return."""
+        run (the load stream) while the other is checksummed (self.crc) and scattered into the
+        cache (the scatter stream); complete on return. The staged blocks' CRC-32Cs (as int32),
+        or None without self.crc."""
         bb, per = self.block_bytes, self.per_chunk
         if self._staging is None:
             n = 2 if self.cuda else 1
@@ -177,7 +228,13 @@ class StoreIO:
                 for j, v in enumerate(part):
                     flat[j * bb:(j + 1) * bb].copy_(self.maps.tensor(v))
                 self.scatter(blocks[c:c + len(part)], self._staging[0][:len(part)])
-            return
+            return None
+        crcs = ids = None
+        if self.crc is not None:
+            if self._crc_host is None or self._crc_host.numel() < len(views):
+                self._crc_host = torch.empty(max(len(views), per), dtype=torch.int32, pin_memory=True)
+            with torch.cuda.stream(self._scatter_stream):
+                crcs = torch.empty(len(views), dtype=torch.int32, device=self.device)
         for k, c in enumerate(range(0, len(views), per)):
             part, b = views[c:c + per], k % 2
             staging, flat = self._staging[b], self._staging[b].view(-1)
@@ -187,16 +244,25 @@ class StoreIO:
                 for first, count, whole in self.maps.runs(part, bb):
                     src = whole if whole is not None else self.maps.tensor(part[first])
                     flat[first * bb:(first + count) * bb].copy_(src, non_blocking=True)
+                    self.stats["load_runs"] += 1
                 copied = torch.cuda.Event()
                 copied.record()
-            idx = torch.tensor(blocks[c:c + len(part)], dtype=torch.long).pin_memory()
             with torch.cuda.stream(self._scatter_stream):
+                if ids is None:   # the chunk's block ids, on the device once
+                    ids = torch.tensor(blocks, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
                 self._scatter_stream.wait_event(copied)
-                self.scatter(idx.to(self.device, non_blocking=True), staging[:len(part)])
+                if crcs is not None:
+                    crcs[c:c + len(part)] = self.crc(staging[:len(part)])
+                self.scatter(ids[c:c + len(part)], staging[:len(part)])
                 self._scattered[b] = torch.cuda.Event()
                 self._scattered[b].record()
+        if crcs is not None:
+            host = self._crc_host[:len(views)]
+            with torch.cuda.stream(self._scatter_stream):
+                host.copy_(crcs, non_blocking=True)
         self._load_stream.synchronize()    # every copy out of the views is done before they go
         self._scatter_stream.synchronize()
+        return None if crcs is None else host.tolist()
 
     # ---- saves (the saver thread) ---------------------------------------------------------
     def save(self, ns, hashes: list[bytes], data: torch.Tensor, ready=None) -> int:
@@ -206,24 +272,58 @@ class StoreIO:
         if ready is not None and self.cuda:
             self._save_stream.wait_event(ready)
         flat = data.reshape(len(hashes), -1)
+        crcs: list = []     # the device's checksums of `data`, fetched by the first fill
+        crc_ready = None
+        if self.crc is not None:   # beside the copies (its own stream): the first fill waits for it
+            if ready is not None:
+                self._crc_stream.wait_event(ready)
+            with torch.cuda.stream(self._crc_stream):
+                on_device = self.crc(flat)
+                on_host = torch.empty(len(hashes), dtype=torch.int32, pin_memory=True)
+                on_host.copy_(on_device, non_blocking=True)
+                crc_ready = torch.cuda.Event()
+                crc_ready.record()
 
-        def fill(start: int, idx: list[int], views: list) -> None:
+        def fill(start: int, idx: list[int], views: list) -> Filled | None:
             t0 = time.perf_counter()
             stream = torch.cuda.stream(self._save_stream) if self.cuda else contextlib.nullcontext()
-            with stream:
-                for first, count, whole in self.maps.runs(views, bb):
-                    rows = idx[first:first + count]
-                    if whole is not None and rows == list(range(rows[0], rows[0] + count)):
-                        self._copy(whole, flat[rows[0]:rows[0] + count].reshape(-1))
-                    else:
-                        for v, i in zip(views[first:first + count], rows):
-                            self._copy(self.maps.tensor(v), flat[i])
-            if self.cuda:
-                self._save_stream.synchronize()
-            self.stats["save_copy_s"] += time.perf_counter() - t0
+            try:
+                with stream:
+                    for first, count, whole in self.maps.runs(views, bb):
+                        self.stats["save_runs"] += 1
+                        rows = idx[first:first + count]
+                        if whole is not None and rows == list(range(rows[0], rows[0] + count)):
+                            self._copy(whole, flat[rows[0]:rows[0] + count].reshape(-1))
+                        else:
+                            for v, i in zip(views[first:first + count], rows):
+                                self._copy(self.maps.tensor(v), flat[i])
+                    done = torch.cuda.Event() if crc_ready is not None else None
+                    if done is not None:
+                        done.record()
+            except BaseException:
+                if self.cuda:
+                    self._save_stream.synchronize()   # nothing of ours still writes the slots
+                raise
+            if done is None:
+                if self.cuda:
+                    self._save_stream.synchronize()
+                self.stats["save_copy_s"] += time.perf_counter() - t0
+                return None      # the client checksums the slots
+            self.stats["save_copy_s"] += time.perf_counter() - t0   # started only
+            if not crcs:
+                crc_ready.synchronize()
+                crcs.extend(v & 0xFFFFFFFF for v in on_host.tolist())
+
+            def wait() -> None:
+                t1 = time.perf_counter()
+                done.synchronize()
+                self.stats["save_wait_s"] += time.perf_counter() - t1
+            return Filled([crcs[i] for i in idx], wait)
 
         t0 = time.perf_counter()
         kept = self.client.write_zero_copy(ns, hashes, fill)
+        if crc_ready is not None:
+            crc_ready.synchronize()   # no fill may have waited for it: it still reads `data`
         self.stats["save_s"] += time.perf_counter() - t0
         if kept is not None:
             return kept

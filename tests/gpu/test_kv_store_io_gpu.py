@@ -17,6 +17,32 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _corrupt_in_arena(addr: str, ns, block_hash: bytes) -> None:
+    """Flip a byte of a stored block in the store's memory (tests/integration/test_kvstore.py's
+    corrupt_in_arena, without that module's TLS imports)."""
+    import mmap
+    import os
+
+    import grpc
+
+    import services  # noqa: F401
+    from meshllm.v1 import kv_pb2, kv_pb2_grpc
+    with grpc.insecure_channel(addr) as ch:
+        stub = kv_pb2_grpc.KvStoreStub(ch)
+        opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
+        lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
+        pin = stub.Pin(kv_pb2.PinRequest(namespace=ns, block_hashes=[block_hash], lease=lease), timeout=5)
+        fd = os.open(opened.path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, opened.arena_bytes)
+        finally:
+            os.close(fd)
+        mm[pin.blocks[0].offset + 100] ^= 0xFF
+        mm.close()
+        stub.Release(kv_pb2.ReleaseRequest(lease=lease, read_id=pin.read_id), timeout=5)
+        stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+
+
 def test_device_to_store_and_back_through_the_registered_arena(tmp_path):
     from services.common.kv_blocks import kv_pb2
     from services.common.kv_client import KvClient
@@ -61,6 +87,24 @@ def test_device_to_store_and_back_through_the_registered_arena(tmp_path):
         torch.cuda.synchronize()
         for c in caches:
             assert torch.equal(c[:, src].view(torch.int16), c[:, dst].view(torch.int16))
+        # The checksums were the GPU's (kv_block_crc.py); a block corrupted in the store's memory
+        # fails it where it landed: the load stops there (a miss, recomputed) and the store drops it.
+        assert tiers.store_io.crc is not None
+        before = client.stats().corrupt_blocks
+        _corrupt_in_arena(client.address, tiers.namespace, hashes[7])
+
+        def load(into: list[int]) -> int:
+            tiers.start_loads([TierBlocks("l", into, hashes)])
+            done, end = [], time.monotonic() + 60
+            while not done and time.monotonic() < end:
+                done = tiers.take_loads(1.0)
+            assert done
+            return done[0].num_loaded
+        assert load(dst) == 7
+        assert client.stats().corrupt_blocks == before + 1 and client.lookup(tiers.namespace, hashes) == 7
+        # The CPU's checksums (no GPU one) load the same leading blocks.
+        tiers.store_io.crc = None
+        assert load(list(range(50, 70))) == 7
         tiers.close()
     finally:
         if client is not None:
