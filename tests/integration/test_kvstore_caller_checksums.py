@@ -1,8 +1,9 @@
 """Zero-copy transfers whose caller checksums the blocks itself (as the worker does on its GPU,
 services/worker/kv_store_io.py): a fill that answers Filled(crcs, wait) has its checksums checked
 by the store against what landed (a wrong one is refused, a failed wait drops the chunk and frees
-its slots), the commit waits for the copies first, and a save's chunks grow from a small first one; a consume that verifies gets the stored
-checksums, and what it finds corrupt is a miss, reported, and removed once the store agrees.
+its slots), the commit waits for the copies first, and a save's chunks grow from a small first
+one; a consume that verifies gets the stored checksums, and what it finds corrupt is a miss,
+reported, and removed once the store agrees.
 Against a real kvstore process (tests/integration/test_kvstore.py's)."""
 from __future__ import annotations
 
