@@ -34,13 +34,25 @@ from services.worker.wire import ProtoRunner  # noqa: E402
 
 TEXTS = [
     "The printing press, invented by Johannes Gutenberg around 1440, allowed books to be produced "
-    "quickly and cheaply. Within decades, printing shops had spread across Europe, and ideas moved "
-    "faster than ever before.",
+    "quickly and cheaply. Before it, a single copy of a long book could take a scribe many months, and "
+    "only monasteries, universities and the very rich owned more than a handful. Within fifty years of "
+    "the first printed Bible, printing shops were working in more than two hundred European towns, and "
+    "millions of volumes were in circulation. Prices fell, literacy rose, and for the first time the same "
+    "text, with the same pages and the same errors, could be read by thousands of people in different "
+    "countries. Scholars could compare their work, merchants could share price lists, and reformers could "
+    "spread pamphlets faster than any authority could answer them.",
     "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n"
-    "            out.append(a[i]); i += 1\n        else:\n            out.append(b[j]); j += 1\n"
-    "    return out + a[i:] + b[j:]\n",
-    "Dear team, the meeting on Thursday is moved to Friday at ten. Please bring the quarterly report, "
-    "the budget draft and your notes from the customer visit. Thanks, Anna.",
+    "            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n"
+    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n\n\n"
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return list(items)\n    mid = len(items) // 2\n"
+    "    left = merge_sort(items[:mid])\n    right = merge_sort(items[mid:])\n    return merge(left, right)\n\n\n"
+    "def is_sorted(items):\n    return all(items[k] <= items[k + 1] for k in range(len(items) - 1))\n",
+    "Dear team, the planning meeting on Thursday is moved to Friday at ten in the large room on the third "
+    "floor. Please bring the quarterly report, the budget draft for next year and your notes from the "
+    "customer visits in March. Maria will present the results of the survey, and Tom will walk us through "
+    "the new release schedule. If you cannot attend, send your questions to me by Thursday evening so that "
+    "we can answer them during the meeting. Lunch will be served after the meeting, so let me know if you "
+    "have any dietary needs. Thanks, and see you on Friday. Anna.",
 ]
 TASKS = ["Repeat the following text exactly:\n{}", "Fix any typos and return the full text:\n{}",
          "Copy this text, word for word:\n{}"]
@@ -56,15 +68,25 @@ def chat_ids(tok, text: str) -> list[int]:
 
 
 def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurrency: int, spec_tokens: int,
-          eos: frozenset[int], block_size: int) -> tuple[dict[str, list[int]], float, int]:
-    """All prompts through the scheduler core, `concurrency` at once -> (outputs, seconds, steps)."""
+          eos: frozenset[int], block_size: int, logprobs: int = 0,
+          tops: dict | None = None) -> tuple[dict[str, list[int]], float, int]:
+    """All prompts through the scheduler core, `concurrency` at once -> (outputs, seconds, steps).
+    logprobs > 0: each emitted token's top entries go to tops[request id] (a list per token)."""
     info = runner.hello(block_size)
     cfg = SchedulerConfig(max_model_len=runner.model.max_model_len, max_num_seqs=concurrency,
                           max_num_batched_tokens=max(2048, concurrency * 8), block_size=block_size,
                           num_spec_tokens=spec_tokens)
     s = Scheduler(cfg, info.num_kv_blocks, eos, info.vocab_size)
     for i, p in enumerate(prompts):
-        s.add_request(Request(f"r{i}", list(p), max_new, sampling=pb.common.SamplingParams(max_tokens=max_new)))
+        sp = pb.common.SamplingParams(max_tokens=max_new, logprobs=logprobs) if logprobs else \
+            pb.common.SamplingParams(max_tokens=max_new)
+        s.add_request(Request(f"r{i}", list(p), max_new, sampling=sp))
+
+    def take(out) -> None:
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if tops is not None:
+            tops.setdefault(out.request_id, []).extend([(t.token_id, t.logprob) for t in lp.top]
+                                                       for lp in out.logprobs)
     wired = ProtoRunner(runner)
     outputs: dict[str, list[int]] = {}
     inflight: deque = deque()
@@ -80,17 +102,36 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
                     continue
             else:
                 for out in s.take_pending_outputs():
-                    outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    take(out)
         if inflight:
             plan, handle = inflight.popleft()
             res = wired.collect(handle)
             if res.HasField("error"):
                 raise RuntimeError(res.error.message)
             for out in s.update(plan, wire.result_from_proto(res)):
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                take(out)
     if runner.model.device.type == "cuda":
         torch.cuda.synchronize()
     return outputs, time.perf_counter() - t0, steps
+
+
+def divergences(base: dict[str, list[int]], base_tops: dict, outs: dict[str, list[int]], tops: dict) -> list[dict]:
+    """Per request whose greedy output differs from plain decoding's: where, and the top-2
+    logprob gap of each run there (a near-tie flipped by bf16 numerics has a small gap)."""
+    rows = []
+    for rid, ref in base.items():
+        got = outs.get(rid, [])
+        j = next((k for k, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+        if j is None:
+            if len(ref) == len(got):
+                continue
+            j = min(len(ref), len(got))
+        row = {"request": rid, "at": j, "off_tokens": len(ref), "spec_tokens": len(got)}
+        for name, t in (("off_gap", base_tops.get(rid, [])), ("spec_gap", tops.get(rid, []))):
+            if j < len(t) and len(t[j]) >= 2:
+                row[name] = t[j][0][1] - t[j][1][1]
+        rows.append(row)
+    return rows
 
 
 def truncated_copy(model_dir, layers: int) -> str:
@@ -125,8 +166,11 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
     ap.add_argument("--requests", type=int, default=0, help="per concurrency (default: max(3, concurrency))")
-    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--max-new", type=int, default=320)
     ap.add_argument("--methods", default="off,ngram,suffix")
+    ap.add_argument("--logprobs", type=int, default=0,
+                    help="ask top-N logprobs (N >= 2: report the top-2 gap where greedy outputs diverge)")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every method (its most, with --dynamic)")
     ap.add_argument("--dynamic", action="store_true", help="let the cost model choose K (default: always K)")
     ap.add_argument("--draft-model", help="method draft_model's directory (default: the model drafting for itself)")
     ap.add_argument("--draft-layers", type=int, default=0,
@@ -174,6 +218,8 @@ def main() -> int:
         base = None
         for method in a.methods.split(","):
             spec_json = METHODS[method]
+            if spec_json is not None:
+                spec_json = {**spec_json, "num_speculative_tokens": a.k}
             if spec_json is not None and not a.dynamic:
                 spec_json = {**spec_json, "dynamic_k": [[1, 100000, spec_json["num_speculative_tokens"]]]}
             if spec_json is not None and spec_json["method"] == "draft_model":
@@ -189,9 +235,11 @@ def main() -> int:
                 runner.enable_spec(SpecDecoder(spec, name, draft=draft))
                 if a.dynamic:
                     runner.spec.calibrate(runner, max_tokens=512 if dev.type == "cuda" else 48)
-            drive(runner, prompts[:1], 8, 1, spec.num_speculative_tokens if spec else 0, eos, block)   # warm-up
+            # warm-up at this concurrency's own batch (graphs, allocator, the cost model's first steps)
+            drive(runner, prompts[:conc], 16, conc, spec.num_speculative_tokens if spec else 0, eos, block)
+            tops: dict = {}
             outs, secs, steps = drive(runner, prompts, a.max_new, conc, spec.num_speculative_tokens if spec else 0,
-                                      eos, block)
+                                      eos, block, logprobs=a.logprobs, tops=tops)
             tokens = sum(len(v) for v in outs.values())
             row = {"concurrency": conc, "method": method, "requests": n, "output_tokens": tokens, "seconds": secs,
                    "output_tok_per_s": tokens / secs, "steps": steps}
@@ -199,10 +247,12 @@ def main() -> int:
                 row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted,
                            acceptance=runner.spec.accepted / max(1, runner.spec.drafted))
             if base is None:
-                base = (outs, row["output_tok_per_s"])
+                base = (outs, row["output_tok_per_s"], tops)
             else:
                 row["speedup_vs_off"] = row["output_tok_per_s"] / base[1]
                 row["greedy_identical"] = outs == base[0]
+                if not row["greedy_identical"] and a.logprobs >= 2:
+                    row["divergences"] = divergences(base[0], base[2], outs, tops)
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
             pathlib.Path(a.out).write_text(json.dumps(res, indent=1))

@@ -355,7 +355,9 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> PendingStep:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
+        synced = False
         if self.spec is not None and spec_steps.read_first(self, plan):
+            synced = True
             # A verified run's length is known once read: before this plan is checked against it.
             try:
                 self._resolve_all()
@@ -387,8 +389,11 @@ class ModelRunner:
                     self.tiers.refuse_saves(plan.tier_saves)
                 return PendingStep(plan.step_id, [], [], None, t0, sampled={})
             step = self._launch(plan.step_id, scheduled, t0)
-            if self.spec is not None and self.overlap and not any(s.drafts for s in scheduled):
-                self.spec.host_time(time.perf_counter() - t_host)   # what a sync would expose
+            if self.spec is not None and self.overlap:
+                if not any(s.drafts for s in scheduled):
+                    self.spec.host_time(time.perf_counter() - t_host)   # what a sync would expose
+                elif synced:   # what this one exposed, from the previous step's tokens read
+                    self.spec.spec_host_time(len(scheduled), (time.perf_counter_ns() - self._last_done_ns) / 1e9)
             if plan.tier_saves:   # right behind the forward that computed them
                 saved = True
                 self.tiers.save(plan.tier_saves)

@@ -181,14 +181,14 @@ def test_syncs_whose_proposals_are_declined_back_off_and_a_draft_resets_them():
     d.spec_cost = StepCostModel([(1, 0.010), (512, 0.010)])
     d.start("a", [5, 6, 5, 6, 5], 0)
     rows = [("a", 4)]
-    d.sync_s = 0.03                          # a sync dearer than any draft's gain: K = 0 once proposed
+    d.plain_host_s = 0.03                         # a sync dearer than any draft's gain: K = 0 once proposed
     assert d.worth_trying(rows, 1, 1) is False
-    d.sync_s = 0.0
+    d.plain_host_s = 0.0
     waits = []
     for _ in range(5):
-        d.sync_s = 0.03
+        d.plain_host_s = 0.03
         assert d.drafts(rows, 1, 1) == {}    # proposed, declined
-        d.sync_s = 0.0
+        d.plain_host_s = 0.0
         n = 0
         while not d.worth_trying(rows, 1, 1):
             d.acceptance.tick()
@@ -201,3 +201,30 @@ def test_syncs_whose_proposals_are_declined_back_off_and_a_draft_resets_them():
     d.start("b", [9, 8, 7], 0)                     # no n-gram repeats: nothing to propose
     assert d.drafts([("b", 4)], 1, 1) == {}
     assert d.worth_trying([("a", 4)], 1, 1), "nothing proposed is no reason to wait"
+
+
+def test_the_host_time_speculating_steps_exposed_prices_their_batch_size_only():
+    """A speculating step exposes the host's work (resolving the previous step, proposing,
+    building the verify) that a plain step hides: once measured at a batch size it replaces the
+    plain build time there, so drafts that paid at one row stop at 32 rows whose host work is
+    dearer than their gain, and nothing changes at other sizes."""
+    from services.worker.spec.decoder import SpecDecoder
+    d = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}))
+    d.plain_cost = StepCostModel([(1, 0.010), (512, 0.010)])
+    d.spec_cost = StepCostModel([(1, 0.010), (512, 0.012)])
+    rows = [(f"r{i}", 4) for i in range(32)]
+    for rid, _ in rows:
+        d.start(rid, [5, 6, 5, 6, 5, 6, 5], 0)
+    d.host_time(0.0005)
+    assert d.sync_s(32) == d.sync_s(1) == 0.0005
+    assert d.worth_trying(rows, 32, 32) and d.drafts(rows, 32, 32), "priced at the plain build time: drafts pay"
+    for _ in range(20):
+        d.spec_host_time(32, 0.030)
+    assert abs(d.sync_s(32) - 0.030) < 1e-3 and d.sync_s(1) == 0.0005 and d.sync_s(20) == 0.0005
+    assert not d.worth_trying(rows, 32, 32), "32 rows: the measured exposure is dearer than the drafts' gain"
+    assert d.drafts(rows[:1], 1, 1), "one row: still priced at its own (plain) build time"
+    for _ in range(32):                  # not renewed (speculating stopped there): back to the floor
+        d.acceptance.tick()
+    assert d.sync_s(32) == 0.0005 and d.worth_trying(rows, 32, 32), "so 32 rows are tried again"
+    d.spec_host_time(32, 5.0)            # one pause-length step
+    assert d.sync_s(32) < 0.0005 * 4, "moves the estimate at most 4x"

@@ -19,7 +19,8 @@ import torch
 from services.common.spec_config import SpecConfig
 from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTED, SPEC_DRAFTED_AT, SPEC_ROWS,
                                      SPEC_STEPS)
-from services.worker.spec.dynamic_k import MIN_GAIN, AcceptanceTracker, StepCostModel, choose_k, choose_uniform_k
+from services.worker.spec.dynamic_k import (MIN_GAIN, REVISIT_STEPS, AcceptanceTracker, StepCostModel, choose_k,
+                                            choose_uniform_k)
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
@@ -50,8 +51,12 @@ class SpecDecoder:
         self.draft = draft
         self.draft_cost: StepCostModel | None = None   # a draft decode step per batch (calibrate)
         # What a speculating step loses with its overlap: the host's time to build a step (the
-        # runner measures it while steps overlap; 0 without overlap, where nothing is lost).
-        self.sync_s = 0.0
+        # runner measures it while steps overlap; 0 without overlap, where nothing is lost) ...
+        self.plain_host_s = 0.0
+        # ... or, once measured, what speculating steps of about this batch exposed: from the
+        # previous step's tokens read to this one launched (resolving the previous step, the
+        # proposals, a bigger build), per batch bucket (batch.bit_length()): (seconds, clock).
+        self._spec_host: dict[int, tuple[float, int]] = {}
         self._wasted = 0                 # syncs in a row whose proposals the cost model declined
         self._declined = False           # the last drafts() call declined proposals it had
         self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
@@ -156,7 +161,7 @@ class SpecDecoder:
             return proposals
         ids = list(proposals)
         ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), len(proposals[r])) for r in ids],
-                      plain=self.plain_cost, sync_s=self.sync_s)
+                      plain=self.plain_cost, sync_s=self.sync_s(batch))
         self._declined = not any(ks)
         return {rid: proposals[rid][:k] for rid, k in zip(ids, ks) if k}
 
@@ -178,6 +183,7 @@ class SpecDecoder:
         acc = self.acceptance
         vals = sorted(((acc.rate(r) * acc.hit(r), acc.rate(r), acc.hit(r), room) for r, room in rows), reverse=True)
         plain = batch / (self.plain_cost or self.spec_cost).cost(base_tokens)
+        sync_s = self.sync_s(batch)
         k_max = max(room for _, room in rows)
         for k in sorted({1, 2, k_max}):
             gain, tokens = 0.0, 0
@@ -186,7 +192,7 @@ class SpecDecoder:
                 kk = min(k, room)
                 gain += h * sum(a ** j for j in range(1, kk + 1))
                 tokens += kk
-                if m in sizes and (batch + gain) / (self.spec_cost.cost(base_tokens + tokens) + self.sync_s) \
+                if m in sizes and (batch + gain) / (self.spec_cost.cost(base_tokens + tokens) + sync_s) \
                         > MIN_GAIN * plain:
                     return True
         return False
@@ -200,7 +206,7 @@ class SpecDecoder:
         if self.spec_cost is None or self.draft_cost is None:   # not calibrated: draft fully
             return k_max
         return choose_uniform_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
-                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s)
+                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s(batch))
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.update(request_id, drafted, accepted)
@@ -218,8 +224,35 @@ class SpecDecoder:
         self._steps.inc()
 
     def host_time(self, seconds: float) -> None:
-        """The host's time to build and launch an overlapped step (an EWMA: sync_s)."""
-        self.sync_s = seconds if not self.sync_s else 0.9 * self.sync_s + 0.1 * seconds
+        """The host's time to build and launch an overlapped step (an EWMA)."""
+        self.plain_host_s = seconds if not self.plain_host_s else 0.9 * self.plain_host_s + 0.1 * seconds
+
+    def spec_host_time(self, batch: int, seconds: float) -> None:
+        """What a speculating step of `batch` sequences exposed: from the previous step's tokens
+        read to its own launch (an EWMA per batch bucket). One sample moves it at most 4x: a
+        slow step (a collection pause, a first shape) is not the rule."""
+        b = batch.bit_length()
+        old = self.sync_s(batch) if b in self._spec_host else None
+        floor = max(old or 0.0, self.plain_host_s)
+        if floor > 0:
+            seconds = min(seconds, 4 * floor)
+        self._spec_host[b] = (seconds if old is None else 0.8 * old + 0.2 * seconds, self.acceptance.clock)
+
+    def sync_s(self, batch: int) -> float:
+        """The host time a speculating step of `batch` sequences is expected to expose: measured
+        on speculating steps of about that batch, else the plain steps' build time (a floor:
+        without drafts there is less to build). A measure not renewed drifts back to the floor
+        over REVISIT_STEPS, as acceptance rates do: a size where speculating stopped is tried again."""
+        entry = self._spec_host.get(batch.bit_length())
+        if entry is None:
+            return self.plain_host_s
+        s, at = entry
+        age = self.acceptance.clock - at
+        if age >= REVISIT_STEPS:
+            return self.plain_host_s
+        if age > 0:
+            s += (self.plain_host_s - s) * age / REVISIT_STEPS
+        return max(self.plain_host_s, s)
 
     # ---- cost model -------------------------------------------------------------------------
     def calibrate(self, runner, max_tokens: int = 512) -> None:
