@@ -59,14 +59,47 @@ def drain(mesh, replica: str, undrain: bool = False) -> None:
     r = httpx.post(f"{mesh.http_url}/drain", headers=AS_ADMIN, timeout=30,
                    json={"replica": replica, "undrain": undrain})
     assert r.status_code == 200, r.text
-    time.sleep(0.5)   # the gateway's view follows the supervisor's watch
+
+
+def routable(mesh) -> dict[str, bool]:
+    """The gateway's own view of which replicas take new requests (it follows the supervisor's
+    watch, so it lags a drain)."""
+    text = httpx.get(f"{mesh.http_url}/metrics", timeout=10).text
+    return {rid: float(v) == 1.0 for rid, v in
+            re.findall(r'^meshllm:engine_replica_routable\{replica="([^"]+)"\} (\S+)$', text, re.M)}
 
 
 def only(mesh, replica: str) -> None:
-    """Route everything to `replica` (the other one drained)."""
+    """Route everything to `replica` (the other one drained), once the gateway sees it so."""
     other = "engine-1" if replica == "engine-0" else "engine-0"
     drain(mesh, replica, undrain=True)
     drain(mesh, other)
+    deadline = time.monotonic() + 30
+    while (view := routable(mesh)).get(replica) is not True or view.get(other) is not False:
+        assert time.monotonic() < deadline, f"the gateway still routes {view} after draining {other}"
+        time.sleep(0.05)
+
+
+def saves_ended(mesh, engine: str) -> float:
+    """Blocks whose kvstore save ended (kept or dropped), on `engine`'s worker."""
+    i = engine.removeprefix("engine-")
+    addr = mesh.services()["worker-metrics" if i == "0" else f"worker-{i}-metrics"]
+    text = httpx.get(f"http://{addr}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(
+        r'^meshllm:kv_tier_(?:saved|dropped)_blocks_total\{tier="kvstore"\} (\S+)$', text, re.M))
+
+
+def complete_saved(mesh, engine: str, prompt: str, max_tokens: int = 12) -> dict:
+    """complete() on `engine` (the one routed to), returning once its worker has ended the
+    kvstore saves of the prompt's full blocks (they are put after the response, on a thread)."""
+    before = saves_ended(mesh, engine)
+    out = complete(mesh, prompt, max_tokens)
+    want = before + out["prompt_tokens"] // 16 - out["cached"] // 16
+    deadline = time.monotonic() + 30
+    while saves_ended(mesh, engine) < want:
+        assert time.monotonic() < deadline, f"{engine} did not end its kvstore saves"
+        time.sleep(0.05)
+    return out
 
 
 def reset_device_caches(mesh) -> None:
@@ -94,7 +127,7 @@ def mesh_metric_urls(mesh, service: str) -> list[str]:
 def test_a_prompt_computed_on_one_replica_is_loaded_by_the_other(mesh):
     p = passage(1)
     only(mesh, "engine-0")
-    cold = complete(mesh, p)
+    cold = complete_saved(mesh, "engine-0", p)
     assert cold["cached"] < 0.2 * cold["prompt_tokens"]
     only(mesh, "engine-1")
     warm = complete(mesh, p)
@@ -106,7 +139,7 @@ def test_a_prompt_computed_on_one_replica_is_loaded_by_the_other(mesh):
 def test_after_a_worker_is_killed_its_restart_loads_the_prompt_from_the_tier(mesh):
     p = passage(2)
     only(mesh, "engine-0")
-    cold = complete(mesh, p)
+    cold = complete_saved(mesh, "engine-0", p)
     engine = replicas(mesh)["engine-0"]
     worker = next(pid for pid in engine.pids if service_name(pid) == "worker")
     os.kill(worker, signal.SIGKILL)
@@ -135,7 +168,7 @@ def test_host_offload_serves_a_working_set_larger_than_the_device_pool(mesh):
 def test_killing_the_kvstore_during_loads_and_saves_costs_only_recomputes(mesh):
     only(mesh, "engine-0")
     stored = [passage(30 + i) for i in range(2)]
-    expect = {p: complete(mesh, p)["ids"] for p in stored}       # saved to the tier by engine-0
+    expect = {p: complete_saved(mesh, "engine-0", p)["ids"] for p in stored}   # saved to the tier by engine-0
     only(mesh, "engine-1")
     fresh = [passage(40 + i) for i in range(2)]                  # computed and saved during the kill
     kv = replicas(mesh)["kvstore-0"]
@@ -155,7 +188,7 @@ def test_killing_the_kvstore_during_loads_and_saves_costs_only_recomputes(mesh):
     deadline = time.monotonic() + 60
     while True:
         only(mesh, "engine-0")
-        cold = complete(mesh, p)
+        cold = complete_saved(mesh, "engine-0", p)
         only(mesh, "engine-1")
         warm = complete(mesh, p)
         if warm["cached"] >= 0.9 * warm["prompt_tokens"]:
