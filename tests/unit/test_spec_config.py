@@ -110,7 +110,7 @@ def test_the_sync_a_speculating_step_costs_counts_against_its_drafts():
 
 
 def test_a_low_rate_drifts_back_to_the_prior_so_the_request_is_tried_again():
-    from services.worker.spec.dynamic_k import REVISIT_STEPS
+    from services.worker.spec.dynamic_k import HIT_PRIOR_REVISIT, REVISIT_STEPS
     t = AcceptanceTracker(prior=0.5)
     for _ in range(12):
         t.update("a", 4, 0)
@@ -126,7 +126,10 @@ def test_a_low_rate_drifts_back_to_the_prior_so_the_request_is_tried_again():
     assert t.hit("b") < 1 and t.rate("b") == t.prior, "nothing to propose is not a rejection"
     for _ in range(REVISIT_STEPS):
         t.tick()
-    assert t.hit("b") == pytest.approx(1.0), "and the proposer is asked again later"
+    assert t.hit("b") == pytest.approx(t.hit_prior()) and t.hit_prior() < 1, "back at the method's hit rate"
+    for _ in range(HIT_PRIOR_REVISIT):
+        t.tick()
+    assert t.hit("b") == pytest.approx(1.0), "and both at 1 later: the proposer is asked again"
 
 
 def test_rows_that_seldom_have_a_proposal_stop_costing_syncs():
@@ -228,3 +231,29 @@ def test_the_host_time_speculating_steps_exposed_prices_their_batch_size_only():
     assert d.sync_s(32) == 0.0005 and d.worth_trying(rows, 32, 32), "so 32 rows are tried again"
     d.spec_host_time(32, 5.0)            # one pause-length step
     assert d.sync_s(32) < 0.0005 * 4, "moves the estimate at most 4x"
+
+
+def test_after_empty_proposals_requests_not_asked_yet_no_longer_make_steps_sync():
+    """Random text gives the n-gram proposer nothing: requests never asked are priced at the
+    method's recent hit rate, so a batch of 256 of them stops paying a sync per step after a few
+    empty asks (each step asks at most EXPLORE_ROWS of them), and is tried again much later."""
+    from services.worker.spec.decoder import SpecDecoder
+    from services.worker.spec.dynamic_k import HIT_PRIOR_REVISIT
+    d = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4}))
+    d.plain_cost = StepCostModel([(1, 0.010), (256, 0.012), (2048, 0.020)])
+    d.spec_cost = d.plain_cost
+    d.host_time(0.001)
+    rng = __import__("random").Random(3)
+    rows = [(f"r{i}", 4) for i in range(256)]
+    for rid, _ in rows:
+        d.start(rid, [rng.randrange(10**6) for _ in range(64)], 0)   # nothing repeats
+    syncs = 0
+    for _ in range(40):
+        d.acceptance.tick()
+        if d.worth_trying(rows, 256, 256):
+            syncs += 1
+            assert d.drafts(rows, 256, 256) == {}
+    assert 1 <= syncs <= 6, syncs
+    for _ in range(HIT_PRIOR_REVISIT):
+        d.acceptance.tick()
+    assert d.worth_trying(rows, 256, 256), "tried again once the method's hit rate drifted back"

@@ -102,6 +102,7 @@ def choose_uniform_k(cost: StepCostModel, base_tokens: int, requests: list[tuple
 
 
 REVISIT_STEPS = 32      # a rate not updated for this many steps is back at the prior
+HIT_PRIOR_REVISIT = 256 # the method's hit rate not updated for this many steps is back at 1
 
 
 @dataclass
@@ -115,6 +116,11 @@ class AcceptanceTracker:
     updated: dict[str, int] = field(default_factory=dict)
     hits: dict[str, float] = field(default_factory=dict)   # EWMA: the proposer had a draft when asked
     found_at: dict[str, int] = field(default_factory=dict)
+    # The method's hit rate over recent asks: what a request not asked yet is expected to have
+    # (random text gives n-gram and suffix proposers nothing: after a few empty asks an unseen
+    # request no longer looks like one sure to draft). Drifts back to 1 over HIT_PRIOR_REVISIT.
+    _hit_prior: float = 1.0
+    _hit_prior_at: int = 0
     clock: int = 0               # steps (tick)
 
     def tick(self) -> None:
@@ -131,19 +137,26 @@ class AcceptanceTracker:
         """Was its proposer ever asked?"""
         return request_id in self.hits or request_id in self.rates
 
+    def hit_prior(self) -> float:
+        age = self.clock - self._hit_prior_at
+        return self._hit_prior + (1.0 - self._hit_prior) * min(1.0, age / HIT_PRIOR_REVISIT)
+
     def hit(self, request_id: str) -> float:
-        """How often its proposer had a draft when asked (1 until it was asked; drifts back to 1
-        while not asked, like the rate to the prior)."""
+        """How often its proposer had a draft when asked (the method's hit rate until it was
+        asked; drifts back to that while not asked, like the rate to the prior)."""
+        prior = self.hit_prior()
         h = self.hits.get(request_id)
         if h is None:
-            return 1.0
+            return prior
         age = self.clock - self.found_at.get(request_id, self.clock)
-        return h + (1.0 - h) * min(1.0, age / REVISIT_STEPS) if age > 0 else h
+        return h + (prior - h) * min(1.0, age / REVISIT_STEPS) if age > 0 else h
 
     def found(self, request_id: str, had_draft: bool) -> None:
         old = self.hit(request_id)
         self.hits[request_id] = (1 - self.weight) * old + self.weight * float(had_draft)
         self.found_at[request_id] = self.clock
+        self._hit_prior = 0.9 * self.hit_prior() + 0.1 * float(had_draft)
+        self._hit_prior_at = self.clock
 
     def update(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
