@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -56,23 +57,29 @@ def _worker_and_ranks(mesh) -> tuple[int, list[int]]:
     raise AssertionError("no worker process under the launcher")
 
 
+def _serve_and_stop(model_dir, tp: int) -> tuple[list[tuple[str, str]], list[int]]:
+    """A tp-rank mesh's completions, and the pids of it (ranks included) still alive once its
+    launcher exited 0 on SIGTERM."""
+    mesh = start_mesh(str(model_dir), "--max-model-len", "256", "--num-kv-blocks", "128",
+                      "--tensor-parallel-size", str(tp), ready_timeout_s=120)
+    try:
+        worker, ranks = _worker_and_ranks(mesh)
+        assert len(ranks) == tp - 1, "rank 0 starts one process per other rank"
+        results = _completions(mesh)
+        pids = [*mesh.service_pids(), *ranks]
+    finally:
+        rc = mesh.stop()
+    assert rc == 0, f"tp={tp}: the launcher exited with {rc} on SIGTERM"
+    return results, [p for p in pids if alive(p)]
+
+
 def test_tp2_mesh_gives_the_tp1_tokens_and_stops_with_every_rank(tiny_dir):
-    flags = ("--max-model-len", "256", "--num-kv-blocks", "128")
-    results, leftovers = {}, []
-    for tp in (1, 2):
-        mesh = start_mesh(str(tiny_dir), *flags, "--tensor-parallel-size", str(tp), ready_timeout_s=120)
-        try:
-            worker, ranks = _worker_and_ranks(mesh)
-            assert len(ranks) == tp - 1, "rank 0 starts one process per other rank"
-            results[tp] = _completions(mesh)
-            pids = [*mesh.service_pids(), *ranks]
-        finally:
-            rc = mesh.stop()
-        assert rc == 0, f"tp={tp}: the launcher exited with {rc} on SIGTERM"
-        leftovers += [p for p in pids if alive(p)]
-    assert results[2] == results[1]
-    assert all(g and s for g, s in results[1])  # 12 tokens of text each
-    assert not leftovers, "ranks or services left running after the mesh stopped"
+    with ThreadPoolExecutor(2) as pool:   # the two meshes start and serve at once
+        runs = {tp: pool.submit(_serve_and_stop, tiny_dir, tp) for tp in (1, 2)}
+        (results1, left1), (results2, left2) = runs[1].result(), runs[2].result()
+    assert results2 == results1
+    assert all(g and s for g, s in results1)  # 12 tokens of text each
+    assert not left1 + left2, "ranks or services left running after the mesh stopped"
 
 
 def _start_worker(model_dir, tmp_path, *extra) -> subprocess.Popen:
