@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-MAX_EXAMPLES = 15     # per operation: bounded for CI
+MAX_EXAMPLES = 10     # per operation and mode: bounded for CI
 MAX_NEW_TOKENS = 4    # generation stays short (null max_tokens would run to the context length)
 GENERATING = {"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses",
               "/v1/messages"}
