@@ -257,3 +257,25 @@ def test_after_empty_proposals_requests_not_asked_yet_no_longer_make_steps_sync(
     for _ in range(HIT_PRIOR_REVISIT):
         d.acceptance.tick()
     assert d.worth_trying(rows, 256, 256), "tried again once the method's hit rate drifted back"
+
+
+def test_the_verify_cost_depends_on_rows_not_only_on_tokens():
+    """256 decode rows with a few drafts are priced as a verify step of 256 rows (the plain step's
+    growth past the calibrated rows), not as 64 rows of 4 tokens: the drafts then do not pay,
+    where a curve of tokens alone would price that step below the plain one and draft."""
+    from services.worker.spec.dynamic_k import VerifyCostModel
+    plain = StepCostModel([(1, 0.005), (64, 0.008), (256, 0.016)])
+    points = [(1, 2, 0.0055), (1, 5, 0.0056), (64, 128, 0.010), (64, 320, 0.013)]
+    verify = VerifyCostModel(points, plain=plain)
+    assert verify.cost(128, 64) == pytest.approx(0.010) and verify.cost(320, 64) == pytest.approx(0.013)
+    assert verify.cost(5, 1) == pytest.approx(0.0056)
+    one_64 = 0.010 - 3 / 192 * 1e-3 * 64
+    assert verify.cost(256, 256) == pytest.approx(one_64 * 2), "past the calibrated rows: grows as the plain step"
+    assert 0.0055 < verify.cost(64, 32) < 0.010, "between row counts: interpolated (2 tokens a row)"
+    tokens_only = StepCostModel([(t, s) for _, t, s in points])
+    reqs = [(0.84, 4)] * 11 + [(0.84, 0)] * 245     # 11 of 256 rows have drafts
+    assert any(choose_k(tokens_only, 256, reqs, plain=plain, rows=256)), "the curve of tokens: 'cheaper' than plain"
+    assert not any(choose_k(verify, 256, reqs, plain=plain, rows=256)), "256 rows verified: the drafts do not pay"
+    assert any(choose_k(verify, 1, [(0.84, 4)], plain=plain, rows=1)), "one row: they do"
+    single = VerifyCostModel([(1, 2, 0.005), (1, 5, 0.008), (8, 16, 0.010)])
+    assert single.cost(16 + 3, 8) == pytest.approx(0.010 + 0.001 * 3), "one point at 8 rows: the nearest slope"

@@ -19,8 +19,8 @@ import torch
 from services.common.spec_config import SpecConfig
 from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTED, SPEC_DRAFTED_AT, SPEC_ROWS,
                                      SPEC_STEPS)
-from services.worker.spec.dynamic_k import (MIN_GAIN, REVISIT_STEPS, AcceptanceTracker, StepCostModel, choose_k,
-                                            choose_uniform_k)
+from services.worker.spec.dynamic_k import (MIN_GAIN, REVISIT_STEPS, AcceptanceTracker, StepCostModel, VerifyCostModel,
+                                            choose_k, choose_uniform_k)
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
@@ -65,7 +65,7 @@ class SpecDecoder:
         self.proposers: dict[str, object] = {}
         self.acceptance = AcceptanceTracker(prior=0.5)
         # Set by calibrate(); until then every proposal is verified.
-        self.spec_cost: StepCostModel | None = None
+        self.spec_cost: StepCostModel | VerifyCostModel | None = None
         self.plain_cost: StepCostModel | None = None
         labels = (model_name, cfg.method)
         self._drafted, self._accepted = SPEC_DRAFTED.labels(*labels), SPEC_ACCEPTED.labels(*labels)
@@ -161,7 +161,7 @@ class SpecDecoder:
             return proposals
         ids = list(proposals)
         ks = choose_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), len(proposals[r])) for r in ids],
-                      plain=self.plain_cost, sync_s=self.sync_s(batch))
+                      plain=self.plain_cost, sync_s=self.sync_s(batch), rows=batch)
         self._declined = not any(ks)
         return {rid: proposals[rid][:k] for rid, k in zip(ids, ks) if k}
 
@@ -192,7 +192,7 @@ class SpecDecoder:
                 kk = min(k, room)
                 gain += h * sum(a ** j for j in range(1, kk + 1))
                 tokens += kk
-                if m in sizes and (batch + gain) / (self.spec_cost.cost(base_tokens + tokens) + sync_s) \
+                if m in sizes and (batch + gain) / (self.spec_cost.cost(base_tokens + tokens, batch) + sync_s) \
                         > MIN_GAIN * plain:
                     return True
         return False
@@ -206,7 +206,7 @@ class SpecDecoder:
         if self.spec_cost is None or self.draft_cost is None:   # not calibrated: draft fully
             return k_max
         return choose_uniform_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
-                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s(batch))
+                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s(batch), rows=batch)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.update(request_id, drafted, accepted)
@@ -258,25 +258,29 @@ class SpecDecoder:
     def calibrate(self, runner, max_tokens: int = 512) -> None:
         """Time the runner's forward at start-up (no request is running: the KV cache is free):
         plain decode steps of B one-token sequences (CUDA graphs on a GPU) and verify-shaped
-        steps of B sequences x 2 and x (K + 1) tokens (eager), for the cost model. On the CPU both
-        kinds run the same forward: one curve of all the points."""
+        steps of B sequences x 2 and x (K + 1) tokens, as far as max_tokens allows (B x 2 alone
+        past that), for the cost models: plain steps by tokens, verify steps by tokens and rows
+        (VerifyCostModel). On the CPU both kinds run the same forward: the plain points are
+        verify points too."""
         t0 = time.perf_counter()
         plain, spec = [], []
         q = self.cfg.num_speculative_tokens + 1
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * q <= max_tokens]
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * 2 <= max_tokens]
         for b in sizes:
             plain.append((b, _time_step(runner, b, 1)))
-            spec.append((b * 2, _time_step(runner, b, 2)))
-            spec.append((b * q, _time_step(runner, b, q)))
+            spec.append((b, b * 2, _time_step(runner, b, 2)))
+            if b * q <= max_tokens:
+                spec.append((b, b * q, _time_step(runner, b, q)))
         if runner.gpu is None:
-            spec += plain
-        spec = _monotone(spec)
-        self.plain_cost, self.spec_cost = StepCostModel(_monotone(plain)), StepCostModel(spec)
+            spec += [(b, b, sec) for b, sec in plain]
+        self.plain_cost = StepCostModel(_monotone(plain))
+        self.spec_cost = VerifyCostModel(spec, plain=self.plain_cost)
         if self.draft is not None:
             self.draft_cost = StepCostModel(_monotone([(b, self.draft.time_step(b)) for b in sizes]))
         log.info("speculative decoding (%s, up to %d drafts): step cost calibrated in %.2fs: plain %s, "
-                 "verify %s", self.cfg.method, self.cfg.num_speculative_tokens, time.perf_counter() - t0,
-                 [(t, round(s * 1e3, 2)) for t, s in plain], [(t, round(s * 1e3, 2)) for t, s in spec])
+                 "verify (rows, tokens, ms) %s", self.cfg.method, self.cfg.num_speculative_tokens,
+                 time.perf_counter() - t0, [(t, round(s * 1e3, 2)) for t, s in plain],
+                 [(b, t, round(s * 1e3, 2)) for b, t, s in spec])
 
 
 def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

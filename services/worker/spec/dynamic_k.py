@@ -32,7 +32,8 @@ class StepCostModel:
             raise ValueError("the step cost model needs points with tokens > 0 and seconds > 0")
         self._xs = [t for t, _ in self.points]     # cost() runs many times per step
 
-    def cost(self, tokens: int) -> float:
+    def cost(self, tokens: int, rows: int | None = None) -> float:
+        """Seconds of a step of `tokens` tokens (`rows`: ignored, a curve of tokens alone)."""
         pts = self.points
         if len(pts) == 1:
             return pts[0][1] * max(tokens, 1) / pts[0][0] if tokens > pts[0][0] else pts[0][1]
@@ -43,18 +44,73 @@ class StepCostModel:
         return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
 
 
-def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]],
-             plain: StepCostModel | None = None, sync_s: float = 0.0) -> list[int]:
+@dataclass
+class VerifyCostModel:
+    """Seconds of a step that verifies drafts, from its tokens and its sequences (rows). A curve
+    of tokens alone mixes row counts: 256 decode rows with 11 drafts would be priced like 64 rows
+    of 4 tokens, far below the plain step of 256 rows, when the verify step pays every row's
+    attention (and, above the verify graphs' 32 rows, runs eagerly). Per calibrated row count b:
+    the cost of one token a row, c(b), and a cost per extra token, fitted through its points
+    (b x 2 and b x (K + 1) tokens; b x 1 too on the CPU); linear in rows between row counts;
+    past the largest, c grows as the plain step does."""
+    points: list[tuple[int, int, float]]        # (rows, tokens, seconds)
+    plain: StepCostModel | None = None
+
+    def __post_init__(self) -> None:
+        by_rows: dict[int, list[tuple[int, float]]] = {}
+        for b, t, sec in self.points:
+            if b <= 0 or t < b or sec <= 0:
+                raise ValueError("the verify cost model needs points with rows > 0, tokens >= rows, seconds > 0")
+            by_rows.setdefault(b, []).append((t, sec))
+        if not by_rows:
+            raise ValueError("the verify cost model needs points")
+        fits: dict[int, tuple[float, float, float] | None] = {}   # rows -> (mean tokens, mean seconds, slope)
+        for b, pts in by_rows.items():
+            mt = sum(t for t, _ in pts) / len(pts)
+            ms = sum(x for _, x in pts) / len(pts)
+            var = sum((t - mt) ** 2 for t, _ in pts)
+            slope = max(0.0, sum((t - mt) * (x - ms) for t, x in pts) / var) if var else None
+            fits[b] = (mt, ms, slope)
+        sloped = [b for b, f in fits.items() if f[2] is not None]
+        self._lines: list[tuple[int, float, float]] = []     # (rows, seconds at one token a row, per extra token)
+        for b in sorted(fits):
+            mt, ms, slope = fits[b]
+            if slope is None:   # one token count measured at this row count: the nearest row count's slope
+                near = min(sloped, key=lambda r: (abs(r - b), -r)) if sloped else None
+                slope = fits[near][2] if near is not None else 0.0
+            self._lines.append((b, max(ms + slope * (b - mt), 1e-6), slope))
+
+    def cost(self, tokens: int, rows: int | None = None) -> float:
+        lines = self._lines
+        rows = max(1, rows if rows is not None else lines[0][0])
+        if rows <= lines[0][0]:
+            _, one, slope = lines[0]
+        elif rows >= lines[-1][0]:
+            b, one, slope = lines[-1]
+            if rows > b:
+                one *= self.plain.cost(rows) / self.plain.cost(b) if self.plain is not None else rows / b
+        else:
+            k = next(i for i, line in enumerate(lines) if line[0] >= rows)
+            (b0, c0, s0), (b1, c1, s1) = lines[k - 1], lines[k]
+            w = (rows - b0) / (b1 - b0)
+            one, slope = c0 + (c1 - c0) * w, s0 + (s1 - s0) * w
+        return one + slope * max(0, tokens - rows)
+
+
+def choose_k(cost: StepCostModel | VerifyCostModel, base_tokens: int, requests: list[tuple[float, int]],
+             plain: StepCostModel | None = None, sync_s: float = 0.0, rows: int | None = None) -> list[int]:
     """requests: (acceptance rate, drafts available) per decoding request; base_tokens: the step's
     tokens without drafts; `cost`: the time of a step that verifies drafts, `plain` (default:
     the same) of one that does not (on a GPU a plain decode step replays a CUDA graph); sync_s:
     what a speculating step adds for giving up its overlap with the host (the host's time to
-    build a step, which a plain step hides behind the one before).
+    build a step, which a plain step hides behind the one before); rows: the step's sequences
+    (default: the requests).
     -> K per request (0: no speculation for it this step)."""
+    rows = rows if rows is not None else len(requests)
     ks = [0] * len(requests)
     emitted = float(len(requests))
     tokens = base_tokens
-    best, best_ks = emitted / (cost.cost(tokens) + sync_s), list(ks)
+    best, best_ks = emitted / (cost.cost(tokens, rows) + sync_s), list(ks)
     heap = [(-a, i) for i, (a, avail) in enumerate(requests) if avail > 0 and a > 0]
     heapq.heapify(heap)
     since_best = 0
@@ -68,7 +124,7 @@ def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, 
         a, avail = requests[i]
         if ks[i] < avail:
             heapq.heappush(heap, (-(a ** (ks[i] + 1)), i))
-        rate = emitted / (cost.cost(tokens) + sync_s)
+        rate = emitted / (cost.cost(tokens, rows) + sync_s)
         if rate > best:
             best, best_ks, since_best = rate, list(ks), 0
         else:
@@ -80,8 +136,9 @@ def choose_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, 
     return ks
 
 
-def choose_uniform_k(cost: StepCostModel, base_tokens: int, requests: list[tuple[float, int]],
-                     draft_cost: StepCostModel, plain: StepCostModel | None = None, sync_s: float = 0.0) -> int:
+def choose_uniform_k(cost: StepCostModel | VerifyCostModel, base_tokens: int, requests: list[tuple[float, int]],
+                     draft_cost: StepCostModel, plain: StepCostModel | None = None, sync_s: float = 0.0,
+                     rows: int | None = None) -> int:
     """A draft model drafts every row in lock-step (K decode steps of the draft for the batch),
     so its K is one number for the step: the K that maximises emitted tokens per second, where
     a step costs the target's verify of base + drafts tokens plus K draft steps of the batch;
@@ -95,7 +152,7 @@ def choose_uniform_k(cost: StepCostModel, base_tokens: int, requests: list[tuple
     for k in range(1, max(avail for _, avail in requests) + 1):
         ks = [min(k, avail) for _, avail in requests]
         emitted = n + sum(sum(a ** j for j in range(1, kk + 1)) for (a, _), kk in zip(requests, ks))
-        rate = emitted / (cost.cost(base_tokens + sum(ks)) + k * step + sync_s)
+        rate = emitted / (cost.cost(base_tokens + sum(ks), rows if rows is not None else n) + k * step + sync_s)
         if rate > best:
             best_k, best = k, rate
     return best_k
