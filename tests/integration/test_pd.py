@@ -122,12 +122,13 @@ def handoffs(m, outcome: str) -> float:
 def check_handed_over(m, mesh, path: str, seed: int) -> None:
     before = handoffs(m, path)
     prompts = [passage(seed + i, 60 + 25 * i) for i in range(5)]
-    for p in prompts:
-        got, want = on_both(m, mesh, lambda x: complete(x, p))
-        assert ids(got) == ids(want)
-        n = got["usage"]["prompt_tokens"]
-        # The decode engine got every full block: it computed only the last partial one.
-        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16, got["usage"]
+    with concurrent.futures.ThreadPoolExecutor(10) as ex:   # the five at once, on both meshes
+        pairs = [(ex.submit(complete, m, p), ex.submit(complete, mesh, p)) for p in prompts]
+        for got, want in ((g.result(), w.result()) for g, w in pairs):
+            assert ids(got) == ids(want)
+            n = got["usage"]["prompt_tokens"]
+            # The decode engine got every full block: it computed only the last partial one.
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16, got["usage"]
     assert handoffs(m, path) - before == 5
     # Bytes moved, on the decode engine's worker (the tier metrics, tier="direct" or "kvstore").
     worker = [u for u in metric_urls(m) if "worker-1" in u[0]]
