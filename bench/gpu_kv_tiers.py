@@ -12,6 +12,11 @@ client's CPU threads, and the client's zero-copy chunks changed (r: a Pin, w: a 
 save's first Reserve, c: commits in flight); each reports its ratios and where its seconds went
 (the worker's copies, the client's stages).
 
+The kvstore checks a zero-copy save's blocks after its Commits answer (--verify-on-commit async,
+its default; --store-verify-on-commit sync: before): every save rep is followed, untimed, by
+--settle-ms for that check to finish before the next rep flushes the blocks, so no rep's check
+is skipped or overlaps the next rep's copies.
+
 Drives the ModelRunner and its KvTiers in-process (the scheduler's plans built by hand through
 the worker's wire edge, as bench/gpu_decode.py does); the kvstore is its own process on the same
 host, reached over its shared-memory window."""
@@ -144,13 +149,20 @@ def main() -> int:
     ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: Python's)")
     ap.add_argument("--variants", default="", help="CHECKSUMS[:rMIB][:wMIB][:fMIB][:cN],... (gpu or cpu): tier 2 again")
     ap.add_argument("--store-copy-threads", type=int, default=0, help="the kvstore's --copy-threads (0: its default)")
+    ap.add_argument("--store-verify-on-commit", default="", choices=("", "sync", "async"),
+                    help="the kvstore's --verify-on-commit ('': its default, async)")
+    ap.add_argument("--store-args", default="", help="more flags for the kvstore, e.g. '--verify-threads 8'")
+    ap.add_argument("--settle-ms", type=float, default=250.0,
+                    help="untimed pause after each save rep: the store's check of that save finishes")
     ap.add_argument("--store-log-level", default="", help="the kvstore's --log-level (debug: its per-call timings)")
     args = ap.parse_args()
     n_blocks = args.prompt_len // BS
     model = build_model(llama31_8b_config(), max_len=args.prompt_len + 1024)
     runner = kv_runner(model, 24.0, None)
     extra = (["--copy-threads", str(args.store_copy_threads)] if args.store_copy_threads else []) + \
-        (["--log-level", args.store_log_level] if args.store_log_level else [])
+        (["--log-level", args.store_log_level] if args.store_log_level else []) + \
+        (["--verify-on-commit", args.store_verify_on_commit] if args.store_verify_on_commit else []) + \
+        args.store_args.split()
     kv_proc, addr = start_kvstore(capacity_gb=3.0, extra=extra)
     try:
         if args.switch_interval:
@@ -167,6 +179,8 @@ def main() -> int:
         tiers = runner.tiers
         nbytes = n_blocks * tiers.block_bytes
         out = {"device": torch.cuda.get_device_name(), "host": platform.node(), "cpus": os.cpu_count(),
+               "store_verify_on_commit": args.store_verify_on_commit or "async", "store_args": args.store_args,
+               "settle_ms": args.settle_ms,
                "prompt_len": args.prompt_len, "blocks": n_blocks, "block_bytes": tiers.block_bytes,
                "bytes": nbytes, "floors": floors(nbytes, args.reps)}
         print(json.dumps(out["floors"]), flush=True)
@@ -240,6 +254,7 @@ def main() -> int:
             for _ in range(args.reps):
                 client.flush(tiers.namespace)   # every rep stores the blocks anew
                 save_secs += timed(save, 1)
+                time.sleep(args.settle_ms / 1e3)
             stored = client.lookup(tiers.namespace, hashes[:-1])
             mid_io, mid_client = dict(io.stats) if io else {}, client.transfer_stats
             for c in runner.kv_caches:

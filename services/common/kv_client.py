@@ -50,7 +50,7 @@ Block = tuple[bytes, object]   # (block hash, bytes-like of namespace.block_byte
 Consume = Callable[[int, list], None]              # consume(start, views): views[i] is block start+i
 Fill = Callable[[int, list, list], object]         # fill(start, idx, views): views[k] is block idx[k]
 DATA_PLANES = ("auto", "zero_copy", "nixl", "shm", "grpc")
-WRITE_CHUNK_BYTES = 128 << 20   # the default Reserve chunk (at most chunk_bytes)
+WRITE_CHUNK_BYTES = 256 << 20   # the default Reserve chunk (at most chunk_bytes)
 
 
 def _nbytes(buf) -> memoryview:
@@ -64,7 +64,7 @@ class KvClient:
                  lookup_timeout_s: float = 0.25, min_gbps: float = 0.2, retry_after_s: float = 0.5,
                  max_retry_after_s: float = 5.0, copy_threads: int | None = None,
                  chunk_bytes: int = 512 << 20, data_plane: str = "auto", nixl_buffer_bytes: int = 128 << 20,
-                 write_chunk_bytes: int | None = None, first_write_bytes: int = 16 << 20) -> None:
+                 write_chunk_bytes: int | None = None, first_write_bytes: int = 0) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         self.address = address
@@ -89,9 +89,10 @@ class KvClient:
         self._copies = ThreadPoolExecutor(copy_threads or min(8, os.cpu_count() or 1),
                                           thread_name_prefix="kv-client-copy")
         # Chunks: a Pin of chunk_bytes (a round trip per chunk: fewer, larger ones keep the copies
-        # busy), a Reserve of write_chunk_bytes (default: up to 128 MiB: the store checks a commit
-        # while the next chunk is copied), a save's first one of first_write_bytes (that check
-        # starts sooner); measured in bench/gpu_kv_tiers.py.
+        # busy), a Reserve of write_chunk_bytes (default: up to 256 MiB: a Reserve's round trip
+        # costs about what 128 MiB of DMA does, and the next one overlaps this one's copies), a
+        # save's first one of first_write_bytes (0: a whole chunk; a smaller first one let the
+        # store start its check sooner when Commit waited for it); measured in bench/gpu_kv_tiers.py.
         write = write_chunk_bytes if write_chunk_bytes else min(chunk_bytes, WRITE_CHUNK_BYTES)
         self._zero_copy = ZeroCopyTransfers(self._link, self._copies, write, read_chunk_bytes=chunk_bytes,
                                             first_write_bytes=first_write_bytes)

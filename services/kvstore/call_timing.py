@@ -1,6 +1,7 @@
 """At --log-level debug, the kvstore's zero-copy calls log their size and wall time, and each
-Commit the time of its check (the CRC-32C of every reserved slot's bytes): where a save's time
-goes (bench/gpu_kv_tiers.py --store-log-level debug). Nothing is timed at other levels."""
+Commit the time of its check (the CRC-32C of every reserved slot's bytes; with --verify-on-commit
+async, of recording the blocks only): where a save's time goes (bench/gpu_kv_tiers.py
+--store-log-level debug). Nothing is timed at other levels."""
 from __future__ import annotations
 
 import functools

@@ -23,6 +23,8 @@ class KvStoreConfig:
                                         # (None: on with the memory backend when nixl imports)
     shm_window_mb: int = 64             # one client's window (the Redis backend's same-host plane)
     shm_windows: int = 16               # windows (0 = none)
+    verify_on_commit: str = "async"     # a zero-copy Commit's check: after it answers, or before (verifier.py)
+    verify_threads: int = 4             # the async check's own threads (0: the copy threads)
     lease_ttl_s: float = 30.0           # a lease unused this long ends: its pins and slots are freed
     worker_threads: int = 4             # calls' work (disk, Redis) off the event loop
     copy_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))  # one call's blocks in parallel
@@ -51,8 +53,12 @@ class KvStoreConfig:
                 raise ValueError(f"--disk-dir {self.disk_dir!r}: {parent} does not exist")
         elif self.disk_gb:
             raise ValueError("--disk-gb needs --disk-dir")
+        if self.verify_on_commit not in ("sync", "async"):
+            raise ValueError(f"--verify-on-commit must be sync or async, got {self.verify_on_commit!r}")
         if self.shm_window_mb <= 0 or self.shm_windows < 0:
             raise ValueError("--shm-window-mb must be positive and --shm-windows >= 0")
+        if self.verify_threads < 0:
+            raise ValueError("--verify-threads must be >= 0")
         if self.lease_ttl_s <= 0 or self.worker_threads <= 0 or self.copy_threads <= 0:
             raise ValueError("--lease-ttl-s, --worker-threads and --copy-threads must be positive")
 

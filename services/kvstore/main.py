@@ -31,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="offer the memory backend's blocks over NIXL (UCX) to clients that cannot map them "
                         "(another host or container); default: on when nixl imports. UCX endpoints are not "
                         "authenticated: trusted networks only (docs/kvstore.md)")
+    p.add_argument("--verify-on-commit", choices=("sync", "async"), default=d["verify_on_commit"].default,
+                   help="a zero-copy Commit answers once its blocks are recorded and the store re-checks their "
+                        "CRC-32C in the background, dropping a mismatch (async), or only after the check (sync)")
+    p.add_argument("--verify-threads", type=int, default=d["verify_threads"].default,
+                   help="threads of the async check (0: the copy threads); few, so that the checks "
+                        "running beside a save do not slow its Reserve and Commit calls")
     p.add_argument("--shm-window-mb", type=int, default=d["shm_window_mb"].default,
                    help="one client's window of shared memory (the same-host plane of the Redis backend)")
     p.add_argument("--shm-windows", type=int, default=d["shm_windows"].default,
@@ -52,6 +58,7 @@ def parse_config(argv: list[str] | None) -> KvStoreConfig:
     try:
         return KvStoreConfig(host=a.host, port=a.port, capacity_gb=a.capacity_gb, disk_dir=a.disk_dir,
                              disk_gb=a.disk_gb, backend=a.backend, zero_copy=a.zero_copy, nixl=a.nixl,
+                             verify_on_commit=a.verify_on_commit, verify_threads=a.verify_threads,
                              shm_window_mb=a.shm_window_mb,
                              shm_windows=a.shm_windows, lease_ttl_s=a.lease_ttl_s,
                              worker_threads=a.worker_threads, copy_threads=a.copy_threads, internal_tls=internal_tls.from_args(a),
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("kvstore", cfg.log_level)
 
     async def run() -> int:
-        from services.kvstore.server import serve  # grpc import after the flags are valid
+        from services.kvstore.serving import serve  # grpc import after the flags are valid
         stop = asyncio.Event()
         install_stop_handlers(asyncio.get_running_loop(), stop)
         return await serve(cfg, stop)

@@ -4,8 +4,11 @@ an optional spill tier (disk.py) that receives what is evicted and is read throu
 
 Same-host clients map the memfd and read or write block slots in place (zero copy): a read
 *pins* a block (an evicted or flushed block's extent is never reused while it is pinned), a
-write *reserves* a slot and *commits* it once its bytes are checked (store.py). The capacity is
-a hard bound by construction: stored, reserved and pinned extents all live inside the memfd."""
+write *reserves* a slot and *commits* it, its bytes checked first or (verified=False) after, by
+check_committed() on the store's verifier (verifier.py). An unverified block is served only to
+readers that check it themselves (pins), is checked by get() like any other, and is checked
+before it spills to disk: the disk only ever holds verified blocks. The capacity is a hard bound
+by construction: stored, reserved and pinned extents all live inside the memfd."""
 from __future__ import annotations
 
 import threading
@@ -25,8 +28,9 @@ class Extent:
     offset: int
     size: int
     crc: int = 0
-    pins: int = 0
+    pins: int = 0          # readers', and the commit verifier's while it reads the bytes
     stored: bool = False   # in the LRU (visible to reads); False: reserved, or removed while pinned
+    verified: bool = True  # False: committed with its writer's checksum, not re-checked yet
 
 
 class MemoryBackend:
@@ -45,10 +49,12 @@ class MemoryBackend:
         self._blocks: OrderedDict[BlockKey, Extent] = OrderedDict()
         self._bytes = 0            # of stored blocks
         self._reserved = 0         # bytes of reserved slots
-        self._pins = 0             # pins held (a block pinned by two readers counts twice)
+        self._pins = 0             # readers' pins held (a block pinned by two readers counts twice)
+        self._unverified = 0       # bytes of stored blocks not re-checked since their commit
         self._lock = threading.Lock()
         self.evictions = 0
         self.corrupt_blocks = 0
+        self.commit_mismatches = 0   # unverified blocks whose bytes did not match their writer's checksum
 
     def view(self, ext: Extent) -> memoryview:
         return self.arena.view[ext.offset:ext.offset + ext.size]
@@ -73,22 +79,53 @@ class MemoryBackend:
         self._spill(evicted)
         return ext if ext is not None else PutOutcome.FAILED
 
-    def commit(self, key: BlockKey, ext: Extent, crc: int) -> PutOutcome:
-        """Make a reserved slot (its bytes checked by the caller) the stored block `key`, the
-        most recently used; EXISTS (and the slot freed) if another writer stored it meanwhile."""
+    def commit(self, key: BlockKey, ext: Extent, crc: int, verified: bool = True) -> PutOutcome:
+        """Make a reserved slot the stored block `key`, the most recently used; EXISTS (and the
+        slot freed) if another writer stored it meanwhile. verified: the caller checked its
+        bytes against `crc`; False: check_committed() will."""
         with self._lock:
-            return self._commit_locked(key, ext, crc)
+            return self._commit_locked(key, ext, crc, verified)
 
-    def _commit_locked(self, key: BlockKey, ext: Extent, crc: int) -> PutOutcome:
+    def _commit_locked(self, key: BlockKey, ext: Extent, crc: int, verified: bool = True) -> PutOutcome:
         self._reserved -= ext.size
         if key in self._blocks:
             self._blocks.move_to_end(key)
             self._free(ext)
             return PutOutcome.EXISTS
-        ext.crc, ext.stored = crc, True
+        ext.crc, ext.stored, ext.verified = crc, True, verified
         self._blocks[key] = ext
         self._bytes += ext.size
+        if not verified:
+            self._unverified += ext.size
         return PutOutcome.STORED
+
+    def check_committed(self, key: BlockKey, ext: Extent) -> bool | None:
+        """The verifier's check of a block committed unverified: True (now verified), False (its
+        bytes do not match its writer's checksum: removed and counted), None (nothing to do: no
+        longer stored, or verified meanwhile by a read). Its extent is held while it is read, so
+        it is neither evicted nor reused meanwhile; its place in the LRU does not change."""
+        with self._lock:
+            if self._blocks.get(key) is not ext or ext.verified:
+                return None
+            ext.pins += 1      # not a reader's pin: Stats' pinned_blocks does not count it
+        ok = checksum(self.view(ext)) == ext.crc
+        with self._lock:
+            ext.pins -= 1
+            if self._blocks.get(key) is not ext:     # removed meanwhile
+                if not ext.pins:
+                    self._free(ext)
+                return None
+            if ok:
+                self._mark_verified_locked(ext)
+            else:
+                self._drop_corrupt_locked(key, ext)
+        return ok
+
+    def _mark_verified_locked(self, ext: Extent) -> None:
+        if not ext.verified:
+            ext.verified = True
+            if ext.stored:
+                self._unverified -= ext.size
 
     def abort(self, ext: Extent) -> None:
         with self._lock:
@@ -106,22 +143,27 @@ class MemoryBackend:
             victim = next((k for k, e in self._blocks.items() if not e.pins), None)
             if victim is None:
                 return None, evicted
-            ext = self._blocks.pop(victim)
-            ext.stored = False
-            self._bytes -= ext.size
+            ext = self._unlink_locked(victim)
             self.evictions += 1
             if self.spill is not None:
-                evicted.append((victim, bytes(self.view(ext)), ext.crc))
+                evicted.append((victim, bytes(self.view(ext)), ext.crc, ext.verified))
             self._free(ext)
 
     def _free(self, ext: Extent) -> None:
         self._alloc.free(ext.offset - HEADER_BYTES, ext.size)
 
     def _spill(self, evicted) -> None:
-        # Outside the lock: a disk write must not stall the other threads' reads.
-        if self.spill is not None:
-            for key, data, crc in evicted:
+        # Outside the lock: a disk write must not stall the other threads' reads. A block not
+        # verified since its commit is checked here, on the copy that would be written.
+        if self.spill is None:
+            return
+        for key, data, crc, verified in evicted:
+            if verified or checksum(data) == crc:
                 self.spill.put(key, data, crc)
+            else:
+                with self._lock:
+                    self.corrupt_blocks += 1
+                    self.commit_mismatches += 1
 
     # ---- pins: a block's extent is not reused while a reader holds it --------------------
     def pin(self, key: BlockKey) -> Extent | None:
@@ -171,15 +213,19 @@ class MemoryBackend:
 
     def verify(self, key: BlockKey, ext: Extent) -> bool:
         """Check a pinned block's bytes in place; a corrupt one is removed (and counted)."""
-        if checksum(self.view(ext)) == ext.crc:
-            return True
+        ok = checksum(self.view(ext)) == ext.crc
         with self._lock:
-            self._drop_corrupt_locked(key, ext)
-        return False
+            if ok:
+                self._mark_verified_locked(ext)
+            else:
+                self._drop_corrupt_locked(key, ext)
+        return ok
 
     def _drop_corrupt_locked(self, key: BlockKey, ext: Extent) -> None:
-        # Bit rot or a bug: never hand it out again, never keep it.
+        # Bit rot, a bug, or a writer's checksum that never matched: never hand it out again.
         if self._blocks.get(key) is ext:
+            if not ext.verified:
+                self.commit_mismatches += 1
             self._remove_locked(key)
             self.corrupt_blocks += 1
 
@@ -199,11 +245,13 @@ class MemoryBackend:
             data = bytes(self.view(ext))
         finally:
             self.unpin(ext)
-        if checksum(data) == ext.crc:
-            return data, ext.crc
+        ok = checksum(data) == ext.crc
         with self._lock:
-            self._drop_corrupt_locked(key, ext)
-        return None
+            if ok:
+                self._mark_verified_locked(ext)
+            else:
+                self._drop_corrupt_locked(key, ext)
+        return (data, ext.crc) if ok else None
 
     def touch(self, keys: list[BlockKey]) -> None:
         on_disk = []
@@ -239,11 +287,18 @@ class MemoryBackend:
         return removed
 
     def _remove_locked(self, key: BlockKey) -> None:
+        ext = self._unlink_locked(key)
+        if not ext.pins:
+            self._free(ext)
+
+    def _unlink_locked(self, key: BlockKey) -> Extent:
+        """Out of the LRU and the accounting; its extent is the caller's to free."""
         ext = self._blocks.pop(key)
         ext.stored = False
         self._bytes -= ext.size
-        if not ext.pins:
-            self._free(ext)
+        if not ext.verified:
+            self._unverified -= ext.size
+        return ext
 
     def corrupt_for_test(self, key: BlockKey) -> bool:
         """Flip one stored byte in place (what bit rot, or a client writing where it must not,
@@ -270,7 +325,8 @@ class MemoryBackend:
                              capacity_bytes=self.capacity_bytes, evictions=self.evictions,
                              corrupt_blocks=self.corrupt_blocks,
                              extra={"pins": self._pins, "reserved_bytes": self._reserved,
-                                    "free_bytes": self._alloc.free_bytes})
+                                    "free_bytes": self._alloc.free_bytes, "unverified_bytes": self._unverified,
+                                    "commit_mismatches": self.commit_mismatches})
         if self.spill is not None:
             d = self.spill.stats()
             s.disk_blocks, s.disk_bytes, s.disk_capacity_bytes = d.blocks, d.bytes, d.capacity_bytes
@@ -281,8 +337,8 @@ class MemoryBackend:
         """A graceful stop writes what is in memory to the disk tier (least recent first, so
         the disk's LRU order continues); after kill -9 only what was spilled is there."""
         with self._lock:
-            blocks = [(k, bytes(self.view(e)), e.crc) for k, e in self._blocks.items()] if self.spill else []
+            blocks = [(k, bytes(self.view(e)), e.crc, e.verified) for k, e in self._blocks.items()] if self.spill else []
             self._blocks.clear()
-            self._bytes = 0
+            self._bytes = self._unverified = 0
         self._spill(blocks)
         self.arena.close()

@@ -15,6 +15,10 @@ BYTES = Gauge(PREFIX + "kvstore_bytes", "bytes stored, by tier", ["tier"])
 CAPACITY = Gauge(PREFIX + "kvstore_capacity_bytes", "the hard bound of each tier", ["tier"])
 EVICTIONS = Gauge(PREFIX + "kvstore_evictions", "blocks evicted from host memory since start")
 CORRUPT = Gauge(PREFIX + "kvstore_corrupt_blocks", "blocks found corrupt on read (each was a miss and removed)")
+COMMIT_MISMATCHES = Gauge(PREFIX + "kvstore_commit_mismatch_blocks",
+                          "blocks committed zero-copy whose bytes did not match their writer's checksum, "
+                          "found after the Commit and removed (also in kvstore_corrupt_blocks)")
+UNVERIFIED = Gauge(PREFIX + "kvstore_unverified_bytes", "bytes committed and not yet re-checked by the store")
 
 
 async def refresh_gauges(store, executor, every_s: float = 5.0) -> None:
@@ -31,4 +35,6 @@ async def refresh_gauges(store, executor, every_s: float = 5.0) -> None:
             CAPACITY.labels("disk").set(backend.disk_capacity_bytes)
         EVICTIONS.set(backend.evictions)
         CORRUPT.set(backend.corrupt_blocks)
+        COMMIT_MISMATCHES.set(backend.extra.get("commit_mismatches", 0))
+        UNVERIFIED.set(backend.extra.get("unverified_bytes", 0))
         await asyncio.sleep(every_s)

@@ -14,16 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common import kv_blocks
-from services.common.grpc_server import bind, make_server
 from services.common.kv_blocks import NamespaceError, copy_into, kv_pb2
-from services.common.metrics import start_metrics_server
 from services.kvstore import metrics
 from services.kvstore.arena import Arena, LeaseError
 from services.kvstore.call_timing import timed_call as _timed_call, timed_commit
-from services.kvstore.config import MIB, KvStoreConfig
-from services.kvstore.nixl_export import NixlExport, start_nixl
+from services.kvstore.nixl_export import NixlExport
 from services.kvstore.store import PutStatus, Store
 from services.kvstore.transfers import TooManyTransfers, Transfer, Transfers
+from services.kvstore.verifier import CommitVerifier
 
 import services  # noqa: F401,E402
 from meshllm.v1 import kv_pb2_grpc  # noqa: E402
@@ -56,7 +54,8 @@ def zero_copy_transfers(store: Store, lease_ttl_s: float, **kw) -> Transfers:
 class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
     def __init__(self, store: Store, arena: Arena | None, executor: ThreadPoolExecutor,
                  copies: ThreadPoolExecutor, transfers: Transfers | None = None, *,
-                 zero_copy: bool = True, nixl: NixlExport | None = None) -> None:
+                 zero_copy: bool = True, nixl: NixlExport | None = None,
+                 verifier: CommitVerifier | None = None) -> None:
         self.store = store
         self.arena = arena            # windows (any backend), or None
         self.transfers = transfers    # leases, pins and slots of zero copy and NIXL, or None
@@ -64,6 +63,7 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         self.nixl = nixl if transfers is not None else None    # the memfd registered with NIXL, or None
         self._executor = executor    # one call's work, off the event loop
         self._copies = copies        # the blocks of one call, in parallel
+        self.verifier = verifier     # zero-copy commits checked after they answer, or None: before
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -316,12 +316,26 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         claimed = [0] * len(t.blocks)
         for i, crc in zip(where, request.checksums):
             claimed[i] = crc
-        statuses = await self._run(timed_commit, self.store.commit, t.ns_id, t.block_bytes, t.hashes, t.blocks, claimed,
-                                   self._map(len(where)))
+        statuses = await self._run(self._commit, t, claimed, len(where))
         out = [statuses[i] for i in where]
         for s in out:
             metrics.PUTS.labels(s.value).inc()
         return kv_pb2.CommitResponse(statuses=[_PUT_PB[s] for s in out])
+
+    def _commit(self, t: Transfer, claimed: list[int], n: int) -> list[PutStatus]:
+        """Store a reservation's slots: checked first, or (admitted by the verifier) stored
+        unverified and handed to it, here on the call's thread so a cancelled call loses none."""
+        v = self.verifier
+        later = v is not None and v.admit(n * t.block_bytes)
+        statuses: list[PutStatus] = []
+        try:
+            statuses = timed_commit(self.store.commit, t.ns_id, t.block_bytes, t.hashes, t.blocks, claimed,
+                                    map if later else self._map(n), not later)
+        finally:
+            if later:
+                v.submit(t.ns_id, [(h, slot) for h, slot, s in zip(t.hashes, t.blocks, statuses)
+                                   if s is PutStatus.STORED], n * t.block_bytes)
+        return statuses
 
     async def NixlMetadata(self, request, context):
         await self._lease(request.lease, context)   # only a client holding a lease learns where to READ / WRITE
@@ -362,85 +376,3 @@ class KvStoreServicer(kv_pb2_grpc.KvStoreServicer):
         removed = await self._run(self.store.flush, ns_id)
         log.info("flush namespace=%s removed=%d", "all" if ns_id is None else ns_id.hex()[:8], removed)
         return kv_pb2.FlushResponse(blocks_removed=removed)
-
-
-def _handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
-    """The generated registration, except that a response may also be bytes already serialized
-    (Get's gRPC-bytes answer, kv_blocks.encode_get_response)."""
-    def serialize(message) -> bytes:
-        return message if isinstance(message, bytes) else message.SerializeToString()
-
-    methods = {name: getattr(kv_pb2, f"{name}Request") for name in
-               ("Lookup", "Put", "Get", "OpenArena", "CloseArena", "Pin", "Release", "Reserve", "Commit",
-                "NixlMetadata", "Stats", "Flush")}
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
-                                                  response_serializer=serialize)
-        for name, req in methods.items()})
-
-
-async def _expire_every(servicer: KvStoreServicer, executor, every_s: float) -> None:
-    """A client killed mid-transfer holds pins and slots until its lease expires: give them back
-    even when no call comes (calls expire them too, before they need room)."""
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(every_s)
-        await loop.run_in_executor(executor, servicer.expire)
-
-
-def build_backend(cfg: KvStoreConfig):
-    if cfg.backend == "memory":
-        from services.kvstore.memory import MemoryBackend
-        spill = None
-        if cfg.disk_dir:
-            from services.kvstore.disk import DiskTier
-            spill = DiskTier(cfg.disk_dir, cfg.disk_bytes)
-        return MemoryBackend(cfg.capacity_bytes, spill)
-    from services.kvstore.redis_backend import RedisBackend
-    return RedisBackend(cfg.backend, cfg.capacity_bytes)
-
-
-async def serve(cfg: KvStoreConfig, stop: asyncio.Event) -> int:
-    store = Store(build_backend(cfg))
-    try:
-        nixl = start_nixl(cfg.nixl, store.arena)
-    except RuntimeError as exc:   # --nixl asked for and impossible: fail fast
-        log.error("%s", exc)
-        store.backend.close()
-        return 2
-    arena = Arena(cfg.shm_window_mb * MIB, cfg.shm_windows, cfg.lease_ttl_s) if cfg.shm_windows else None
-    executor = ThreadPoolExecutor(cfg.worker_threads, thread_name_prefix="kvstore")
-    server, health = make_server("kvstore", [SERVICE_NAME])
-    copies = ThreadPoolExecutor(cfg.copy_threads, thread_name_prefix="kvstore-copy")
-    transfers = (zero_copy_transfers(store, cfg.lease_ttl_s)
-                 if (cfg.zero_copy or nixl is not None) and store.arena is not None else None)
-    servicer = KvStoreServicer(store, arena, executor, copies, transfers, zero_copy=cfg.zero_copy, nixl=nixl)
-    server.add_generic_rpc_handlers((_handlers(servicer),))
-    port = bind(server, cfg.address, cfg.internal_tls.server_credentials())
-    await server.start()
-    health.set_ready(True)
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    print(f"kvstore listening on {host}:{port} backend={store.backend.name} capacity={cfg.capacity_bytes} "
-          f"zero_copy={servicer.zero_copy} nixl={nixl.name if nixl else 'off'} windows={arena.size if arena else 0}",
-          flush=True)
-    metrics_port = start_metrics_server(cfg.host, cfg.metrics_port)
-    if metrics_port:
-        print(f"kvstore metrics on http://{host}:{metrics_port}/metrics", flush=True)
-    gauges = asyncio.create_task(metrics.refresh_gauges(store, executor))
-    expiry = asyncio.create_task(_expire_every(servicer, executor, min(1.0, cfg.lease_ttl_s / 4)))
-    try:
-        await stop.wait()
-    finally:
-        gauges.cancel()
-        expiry.cancel()
-        health.set_ready(False, "stopping")
-        await server.stop(grace=2.0)
-        executor.shutdown(wait=False, cancel_futures=True)
-        copies.shutdown(wait=False, cancel_futures=True)
-        if nixl is not None:
-            nixl.close()
-        store.backend.close()
-        if arena is not None:
-            arena.close()
-        log.info("stopped")
-    return 0

@@ -1,6 +1,8 @@
 """The kvstore's rules over any backend: a block's bytes must match the checksum its writer
-sent and the size its namespace declares; a read hands out only verified bytes (or, zero copy,
-pinned bytes the reader verifies and reports); hits, misses and refusals are counted. Values in,
+sent and the size its namespace declares (checked before it is stored, or for a zero-copy
+commit, after: commit(verify=False) and check_committed()); a read hands out only verified
+bytes (or, zero copy, pinned bytes the reader verifies and reports); hits, misses and refusals
+are counted. Values in,
 values out (the gRPC adapter is server.py; the leases that zero-copy transfers belong to,
 transfers.py)."""
 from __future__ import annotations
@@ -139,18 +141,21 @@ class Store:
         return out
 
     def commit(self, ns_id: bytes, block_bytes: int, hashes: list[bytes], slots: list, claimed: list[int],
-               map_fn=map) -> list[PutStatus]:
-        """Check each reserved slot's bytes against its writer's CRC-32C (`map_fn`: in parallel)
-        and make the good ones visible, last block first; a mismatch is refused (BAD_CHECKSUM)
-        and its slot freed. `slots` are reserve()'s answers, one per hash."""
+               map_fn=map, verify: bool = True) -> list[PutStatus]:
+        """Make the reserved slots visible with their writer's CRC-32C, last block first.
+        verify: each slot's bytes are checked first (`map_fn`: in parallel) and a mismatch is
+        refused (BAD_CHECKSUM) and its slot freed; False: they are stored unverified, and each
+        STORED one must be given to check_committed(). `slots` are reserve()'s answers."""
         def landed(i: int) -> int | None:
-            return None if isinstance(slots[i], PutStatus) else checksum(self.backend.view(slots[i]))
+            if isinstance(slots[i], PutStatus):
+                return None
+            return checksum(self.backend.view(slots[i])) if verify else claimed[i]
 
-        statuses = self._commit(ns_id, hashes, slots, claimed, list(map_fn(landed, range(len(slots)))))
+        statuses = self._commit(ns_id, hashes, slots, claimed, list(map_fn(landed, range(len(slots)))), verify)
         self._count([s for s, slot in zip(statuses, slots) if not isinstance(slot, PutStatus)], block_bytes)
         return statuses
 
-    def _commit(self, ns_id, hashes, slots, claimed, landed) -> list[PutStatus]:
+    def _commit(self, ns_id, hashes, slots, claimed, landed, verified: bool = True) -> list[PutStatus]:
         statuses = [s if isinstance(s, PutStatus) else PutStatus.FAILED for s in slots]
         for i in range(len(slots) - 1, -1, -1):   # the chain's head ends most recently used
             if isinstance(slots[i], PutStatus):
@@ -159,8 +164,14 @@ class Store:
                 self.backend.abort(slots[i])
                 statuses[i] = PutStatus.BAD_CHECKSUM
             else:
-                statuses[i] = _OUTCOME[self.backend.commit((ns_id, hashes[i]), slots[i], claimed[i])]
+                statuses[i] = _OUTCOME[self.backend.commit((ns_id, hashes[i]), slots[i], claimed[i], verified)]
         return statuses
+
+    def check_committed(self, ns_id: bytes, block_hash: bytes, slot) -> bool | None:
+        """Check a block that commit(verify=False) stored: True: sound; False: its bytes did not
+        match its writer's checksum and it is gone (a miss from now on); None: nothing to check
+        (removed or verified meanwhile)."""
+        return self.backend.check_committed((ns_id, block_hash), slot)
 
     def abort(self, slots: list) -> None:
         """Free reserved slots without storing them (the writer gave up, or its lease expired)."""

@@ -1,7 +1,8 @@
 """CUDA only: kvstore saves and loads straight between the device and a real kvstore's memory
 (services/worker/kv_store_io.py): the client's arena mapping is registered with CUDA, the saved
 bytes equal the cache's, and a load into other blocks brings them back bit for bit (the CPU
-twin is tests/unit/test_worker_kv_tiers.py's ArenaStore case)."""
+twin is tests/unit/test_worker_kv_tiers.py's ArenaStore case); a block saved with a wrong device
+checksum is refused by a load's GPU check and dropped by the store's check after the Commit."""
 from __future__ import annotations
 
 import subprocess
@@ -90,11 +91,12 @@ def test_device_to_store_and_back_through_the_registered_arena(tmp_path):
         # The checksums were the GPU's (kv_block_crc.py); a block corrupted in the store's memory
         # fails it where it landed: the load stops there (a miss, recomputed) and the store drops it.
         assert tiers.store_io.crc is not None
+        gpu_crc = tiers.store_io.crc
         before = client.stats().corrupt_blocks
         _corrupt_in_arena(client.address, tiers.namespace, hashes[7])
 
-        def load(into: list[int]) -> int:
-            tiers.start_loads([TierBlocks("l", into, hashes)])
+        def load(into: list[int], names: list[bytes] = hashes) -> int:
+            tiers.start_loads([TierBlocks("l", into, names)])
             done, end = [], time.monotonic() + 60
             while not done and time.monotonic() < end:
                 done = tiers.take_loads(1.0)
@@ -105,6 +107,26 @@ def test_device_to_store_and_back_through_the_registered_arena(tmp_path):
         # The CPU's checksums (no GPU one) load the same leading blocks.
         tiers.store_io.crc = None
         assert load(list(range(50, 70))) == 7
+        # A save with one wrong device checksum (block 2): its Commit answers before the store's
+        # check, the GPU's check of a load refuses the block, and the store drops it.
+        tiers.store_io.crc = gpu_crc
+
+        def wrong_crc(flat: torch.Tensor) -> torch.Tensor:
+            crcs = gpu_crc(flat).clone()
+            crcs[2] ^= 1
+            return crcs
+        tiers.store_io.crc = wrong_crc
+        bad = [i.to_bytes(4, "little") + b"gpu-bad" for i in src]
+        tiers.save([TierBlocks("s2", src, bad)])
+        assert tiers.flush_saves(60.0)
+        [saved] = tiers.take_saves()
+        assert saved.num_saved == len(src)
+        tiers.store_io.crc = gpu_crc
+        assert load(dst, bad) == 2
+        deadline = time.monotonic() + 10
+        while client.lookup(tiers.namespace, bad) != 2:
+            assert time.monotonic() < deadline, "the block saved with a wrong checksum was never dropped"
+            time.sleep(0.05)
         tiers.close()
     finally:
         if client is not None:

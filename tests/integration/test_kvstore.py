@@ -1,8 +1,10 @@
 """The kvstore as a real process, driven by the real client over its data planes: zero copy (the
 store's block memory mapped here), the shared-memory window (the Redis backend) and gRPC bytes;
-refusals, corruption found by a reader, leases that end, kill -9 mid-traffic (misses, no hang,
-one log line; used again once restarted, the new arena mapped), the disk tier across a kill -9,
-and internal mTLS (a client without the mesh's certificate is refused)."""
+refusals, corruption found by a reader, a wrong checksum at Commit (served to no one, dropped by
+the store's verifier; refused at Commit with --verify-on-commit sync), leases that end, kill -9
+mid-traffic (misses, no hang, one log line; used again once restarted, the new arena mapped), the
+disk tier across a kill -9, and internal mTLS (a client without the mesh's certificate is
+refused)."""
 from __future__ import annotations
 
 import logging
@@ -222,26 +224,69 @@ def test_a_block_corrupted_in_place_is_found_by_the_reader_reported_and_removed(
         client.close()
 
 
-def test_a_wrong_crc_at_commit_is_refused_and_its_slot_freed(kvstore):
-    data = os.urandom(BLOCK)
-    with grpc.insecure_channel(kvstore.addr) as ch:
+def commit_with_wrong_crc(addr: str, ns, hashes: list[bytes], data: bytes) -> list[int]:
+    """Reserve slots for `hashes`, write `data` into each where it lies in the store's memory and
+    Commit with the right CRC-32C for all but the first (a writer whose checksum is wrong, or
+    whose copy went wrong); the Commit's statuses."""
+    with grpc.insecure_channel(addr) as ch:
         stub = kv_pb2_grpc.KvStoreStub(ch)
         opened = stub.OpenArena(kv_pb2.OpenArenaRequest(zero_copy=True), timeout=5)
-        assert opened.zero_copy and opened.arena_bytes > BLOCK
         lease = kv_pb2.ShmWindow(lease_id=opened.lease_id)
-        res = stub.Reserve(kv_pb2.ReserveRequest(namespace=NS, block_hashes=[b"crc-1", b"crc-2"], lease=lease),
-                           timeout=5)
+        res = stub.Reserve(kv_pb2.ReserveRequest(namespace=ns, block_hashes=hashes, lease=lease), timeout=5)
+        assert [s.status for s in res.slots] == [kv_pb2.KV_PUT_STATUS_RESERVED] * len(hashes)
         mm = _map_arena(opened)
         for slot in res.slots:
-            mm[slot.offset:slot.offset + BLOCK] = data
+            mm[slot.offset:slot.offset + len(data)] = data
         mm.close()
-        done = stub.Commit(kv_pb2.CommitRequest(lease=lease, reserve_id=res.reserve_id,
-                                                checksums=[checksum(data) ^ 0x10, checksum(data)]), timeout=5)
-        assert list(done.statuses) == [kv_pb2.KV_PUT_STATUS_BAD_CHECKSUM, kv_pb2.KV_PUT_STATUS_STORED]
-        assert stub.Lookup(kv_pb2.LookupRequest(namespace=NS, block_hashes=[b"crc-1"]), timeout=5).num_found == 0
-        assert stub.Lookup(kv_pb2.LookupRequest(namespace=NS, block_hashes=[b"crc-2"]), timeout=5).num_found == 1
-        assert stub.Stats(kv_pb2.StatsRequest(), timeout=5).reserved_bytes == 0
+        crcs = [checksum(data) ^ 0x10] + [checksum(data)] * (len(hashes) - 1)
+        done = stub.Commit(kv_pb2.CommitRequest(lease=lease, reserve_id=res.reserve_id, checksums=crcs), timeout=5)
         stub.CloseArena(kv_pb2.CloseArenaRequest(window=lease), timeout=5)
+        return list(done.statuses)
+
+
+def wait_for_miss(client: KvClient, ns, block_hash: bytes, timeout_s: float = 10.0) -> None:
+    """The store's verifier drops a block committed with a wrong checksum soon after its Commit."""
+    deadline = time.monotonic() + timeout_s
+    while client.lookup(ns, [block_hash]):
+        assert time.monotonic() < deadline, "a block committed with a wrong checksum was never dropped"
+        time.sleep(0.02)
+
+
+def test_a_wrong_crc_at_commit_is_never_served_and_is_dropped_and_counted(kvstore):
+    data = os.urandom(BLOCK)
+    client, plain = KvClient(kvstore.addr), KvClient(kvstore.addr, use_shm=False)
+    try:
+        before = client.stats().corrupt_blocks
+        # Commit answers before the store's check (--verify-on-commit async): both are stored ...
+        assert commit_with_wrong_crc(kvstore.addr, NS, [b"crc-1", b"crc-2"], data) == [
+            kv_pb2.KV_PUT_STATUS_STORED] * 2
+        # ... but the bad one is served to no one: the store checks a Get's bytes, a zero-copy
+        # reader checks what it is handed (and reports it), and the verifier drops it.
+        assert plain.get(NS, [b"crc-1", b"crc-2"]) == [None, data]                      # gRPC bytes
+        assert client.read_zero_copy(NS, [b"crc-1"], lambda start, views: None) == [False]
+        assert client.get(NS, [b"crc-1"]) == [None]                                      # pinned, copied out
+        wait_for_miss(client, NS, b"crc-1")
+        stats = client.stats()
+        assert stats.corrupt_blocks == before + 1 and stats.reserved_bytes == 0 and stats.pinned_blocks == 0
+        assert client.lookup(NS, [b"crc-2"]) == 1
+    finally:
+        client.close()
+        plain.close()
+
+
+def test_with_verify_on_commit_sync_a_wrong_crc_is_refused_at_commit():
+    store = KvStoreProc("--capacity-gb", "0.05", "--verify-on-commit", "sync").start()
+    client = KvClient(store.addr)
+    data = os.urandom(BLOCK)
+    try:
+        assert commit_with_wrong_crc(store.addr, NS, [b"sync-1", b"sync-2"], data) == [
+            kv_pb2.KV_PUT_STATUS_BAD_CHECKSUM, kv_pb2.KV_PUT_STATUS_STORED]
+        assert client.lookup(NS, [b"sync-1"]) == 0 and client.lookup(NS, [b"sync-2"]) == 1
+        stats = client.stats()
+        assert stats.reserved_bytes == 0 and stats.corrupt_blocks == 0   # refused: never stored
+    finally:
+        client.close()
+        store.stop()
 
 
 def test_the_pins_and_slots_of_a_client_that_vanished_are_freed_when_its_lease_ends():

@@ -1,7 +1,7 @@
 """Zero-copy transfers whose caller checksums the blocks itself (as the worker does on its GPU,
 services/worker/kv_store_io.py): a fill that answers Filled(crcs, wait) has its checksums checked
-by the store against what landed (a wrong one is refused, a failed wait drops the chunk and frees
-its slots), the commit waits for the copies first, and a save's chunks grow from a small first
+by the store against what landed (after the Commit answers: a wrong one is served to no one and
+dropped; a failed wait drops the chunk and frees its slots), the commit waits for the copies first, and a save's chunks grow from a small first
 one; a consume that verifies gets the stored checksums, and what it finds corrupt is a miss,
 reported, and removed once the store agrees.
 Against a real kvstore process (tests/integration/test_kvstore.py's)."""
@@ -12,7 +12,7 @@ import time
 
 from services.common.kv_blocks import checksum
 from services.common.kv_client import Filled, KvClient
-from tests.integration.test_kvstore import NS, _blocks, corrupt_in_arena, kvstore  # noqa: F401 - the fixture
+from tests.integration.test_kvstore import NS, _blocks, corrupt_in_arena, kvstore, wait_for_miss  # noqa: F401
 
 
 def _empty(client: KvClient) -> None:
@@ -38,7 +38,7 @@ def test_a_fill_with_its_own_checksums_is_committed_after_its_copies_and_checked
         threading.Thread(target=copy).start()
         crcs = [checksum(blocks[k][1]) for k in idx]
         if start == 3:
-            crcs[1] ^= 1          # block 4: a wrong checksum, refused by the store
+            crcs[1] ^= 1          # block 4: a wrong checksum, dropped by the store
 
         def wait() -> None:
             landed.wait()
@@ -46,9 +46,13 @@ def test_a_fill_with_its_own_checksums_is_committed_after_its_copies_and_checked
         return Filled(crcs, wait)
 
     try:
-        assert client.write_zero_copy(NS, hashes, fill) == 7
-        assert client.lookup(NS, hashes) == 4          # block 4 was refused: the chain stops there
+        before = client.stats().corrupt_blocks
+        assert client.write_zero_copy(NS, hashes, fill) == 8   # Commit answers before the store's check
         assert all(order.index(("copied", s)) < order.index(("waited", s)) for s in (0, 3, 6))
+        assert client.get(NS, hashes[4:5]) == [None]     # never served, whenever it is asked for
+        wait_for_miss(client, NS, hashes[4])
+        assert client.lookup(NS, hashes) == 4            # dropped: the chain stops there
+        assert client.stats().corrupt_blocks == before + 1
         assert client.get(NS, hashes[5:]) == [d for _, d in blocks[5:]]
         _empty(client)
     finally:

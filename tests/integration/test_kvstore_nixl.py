@@ -2,7 +2,7 @@
 memory backend offering its block memory over NIXL (UCX), and a real KvClient forced onto it
 (data_plane="nixl": it never maps the arena, as on another host). Pin -> NIXL READ -> CRC-32C on
 the client -> Release; Reserve -> NIXL WRITE -> Commit checked by the store; a block corrupted in
-the arena is found, reported and removed; a client killed -9 mid-lease (pins, a reservation and a
+the arena, or committed with a wrong checksum, is found, reported and removed; a client killed -9 mid-lease (pins, a reservation and a
 NIXL READ done) leaks nothing; a restarted store (a new agent) is used again; the fallback order
 (zero copy > NIXL > window > gRPC bytes); the metadata only behind the mesh's mTLS.
 
@@ -27,7 +27,7 @@ from services.common.kv_blocks import kv_pb2
 from services.common.kv_client import KvClient
 from services.common.kv_nixl import nixl_api
 from tests.integration.meshproc import ROOT
-from tests.integration.test_kvstore import KvStoreProc, corrupt_in_arena
+from tests.integration.test_kvstore import KvStoreProc, commit_with_wrong_crc, corrupt_in_arena, wait_for_miss
 
 import services  # noqa: F401,E402
 from meshllm.v1 import kv_pb2_grpc  # noqa: E402
@@ -106,6 +106,19 @@ def test_a_block_corrupted_in_the_arena_is_found_by_the_nixl_reader_reported_and
         assert stats.corrupt_blocks == before + 1 and _idle(stats)             # reported, checked, removed
         assert client.lookup(NS, hashes) == 1
         assert client.put(NS, blocks[1:2]) == 1 and client.get(NS, hashes[1:2]) == [blocks[1][1]]
+    finally:
+        client.close()
+
+
+def test_a_block_committed_with_a_wrong_checksum_is_never_read_over_nixl(kvstore):
+    client = _nixl_client(kvstore.addr)
+    data = os.urandom(BLOCK)
+    try:
+        assert commit_with_wrong_crc(kvstore.addr, NS, [b"nx-bad-1", b"nx-bad-2"], data) == [
+            kv_pb2.KV_PUT_STATUS_STORED] * 2            # answered before the store's check
+        assert client.get(NS, [b"nx-bad-1", b"nx-bad-2"]) == [None, data]   # READ, refused by its CRC
+        wait_for_miss(client, NS, b"nx-bad-1")
+        assert _idle(client.stats()) and client.lookup(NS, [b"nx-bad-2"]) == 1
     finally:
         client.close()
 
