@@ -68,12 +68,14 @@ def stub(mesh):
 
 def test_greedy_tokens_equal_transformers(hf, stub, mesh):
     tok, _ = hf
-    for prompt in PROMPTS:
-        ids = tok(prompt)["input_ids"]
-        expected = hf_greedy(hf, ids, NEW_TOKENS)
-        got = mesh_generate_ids(stub, mesh.model_name, ids, NEW_TOKENS)
-        assert got == expected, f"prompt {PROMPTS.index(prompt)} diverged at token " \
-                                f"{next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)}"
+    prompt_ids = [tok(prompt)["input_ids"] for prompt in PROMPTS]
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:   # the mesh's requests at once (batched == solo: below)
+        mesh_ids = [pool.submit(mesh_generate_ids, stub, mesh.model_name, ids, NEW_TOKENS) for ids in prompt_ids]
+        for i, (ids, got) in enumerate(zip(prompt_ids, mesh_ids)):
+            expected = hf_greedy(hf, ids, NEW_TOKENS)
+            got = got.result()
+            assert got == expected, f"prompt {i} diverged at token " \
+                                    f"{next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)}"
 
 
 def test_greedy_text_through_openai_equals_transformers(hf, mesh):
