@@ -132,7 +132,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, default=0.0)
     a("--seed", type=int, default=0)
     a("--num-warmups", type=int, default=0, help="requests run (and not measured) before each sweep")
-    a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 itl:50 e2el:5000 (itl: each request's p99)")
     a("--percentile-metrics", default=",".join(PERCENTILE_METRICS), help="comma list of ttft,tpot,itl,e2el")
     a("--metric-percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES), help="e.g. 50,90,99")
     a("--result-file", default=None, help="write the JSON result here (plots beside it)")

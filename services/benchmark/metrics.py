@@ -68,12 +68,14 @@ def _pkey(p: float) -> str:
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """`["ttft:200", "tpot:50"]` -> {"ttft": 200.0, "tpot": 50.0} (milliseconds)."""
+    """`["ttft:200", "tpot:50"]` -> {"ttft": 200.0, "tpot": 50.0} (milliseconds). `itl:MS` holds
+    a request to its own 99th-percentile inter-token latency (a stream that stalls once in a
+    hundred tokens fails it, where TPOT, a mean, would hide the stall)."""
     slos: dict[str, float] = {}
     for item in items or []:
         name, sep, value = item.partition(":")
-        if not sep or name not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        if not sep or name not in ("ttft", "tpot", "itl", "e2el"):
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS, itl:MS or e2el:MS, got {item!r}")
         try:
             slos[name] = float(value)
         except ValueError:
@@ -84,13 +86,15 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
-    """A successful request whose TTFT, TPOT and E2EL are all within the SLOs (ms, inclusive).
-    A request with one output token has no TPOT and passes that SLO (as in vLLM)."""
+    """A successful request whose TTFT, TPOT, p99 ITL and E2EL are all within the SLOs (ms,
+    inclusive). A request with one output token has no TPOT or ITL and passes those SLOs (as in vLLM)."""
     if not r.success:
         return False
     if "ttft" in slos and r.ttft * 1e3 > slos["ttft"]:
         return False
     if "tpot" in slos and r.tpot is not None and r.tpot * 1e3 > slos["tpot"]:
+        return False
+    if "itl" in slos and r.itl and percentile(r.itl, 99) * 1e3 > slos["itl"]:
         return False
     if "e2el" in slos and r.latency * 1e3 > slos["e2el"]:
         return False

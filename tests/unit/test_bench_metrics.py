@@ -73,7 +73,18 @@ def test_goodput_counts_only_requests_within_every_slo():
     assert s["goodput"] == pytest.approx(0.5)  # 2 good requests / 4 s
 
 
-@pytest.mark.parametrize("bad", ["ttft", "latency:5", "tpot:fast", "e2el:-1"])
+def test_an_itl_slo_holds_each_request_to_its_own_p99_gap():
+    """One stall in a steady stream fails the ITL SLO where TPOT (a mean) still passes."""
+    slos = parse_goodput(["itl:50", "tpot:50"])
+    steady = RequestResult(success=True, output_len=101, ttft=0.1, latency=0.1 + 100 * 0.02, itl=[0.02] * 100)
+    stalled = RequestResult(success=True, output_len=101, ttft=0.1, latency=0.1 + 98 * 0.01 + 2 * 0.5,
+                            itl=[0.01] * 98 + [0.5, 0.5])
+    assert stalled.tpot * 1e3 < 50, "the mean hides the stall"
+    assert meets_slos(steady, slos) and not meets_slos(stalled, slos)
+    assert meets_slos(RequestResult(success=True, output_len=1, ttft=0.1, latency=0.1), slos), "no gaps: passes"
+
+
+@pytest.mark.parametrize("bad", ["ttft", "latency:5", "tpot:fast", "e2el:-1", "itl:x"])
 def test_bad_goodput_specs_are_rejected(bad):
     with pytest.raises(ValueError):
         parse_goodput([bad])
