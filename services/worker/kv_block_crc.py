@@ -67,21 +67,21 @@ def _tables(block_bytes: int, seg_words: int) -> tuple[list[int], list[int], int
     # COLS1[i][b]: the register after a segment whose only set bit is bit b of word i (bit b of
     # a little-endian int32 word is bit b % 8 of its byte b // 8: one register step per byte).
     last = [checksum_from((1 << b).to_bytes(4, "little"), 0) for b in range(32)]
-    cols1 = [[0] * seg_words for _ in range(32)]
-    col = last
-    for i in range(seg_words - 1, -1, -1):
-        for b in range(32):
-            cols1[b][i] = col[b]
-        if i:
-            col = _advance(col, 4)
-    cols2 = [[0] * segments for _ in range(32)]
-    col = units
-    for j in range(segments - 1, -1, -1):
-        for b in range(32):
-            cols2[b][j] = col[b]
-        if j:
-            col = _advance(col, 4 * seg_words)
+    cols1 = _columns(last, seg_words, 4)
+    cols2 = _columns(units, segments, 4 * seg_words)
     return cols1, cols2, checksum(bytes(block_bytes))
+
+
+def _columns(col: list[int], n: int, step_bytes: int) -> list[list[int]]:
+    """out[b][i]: `col[b]` advanced by (n - 1 - i) * step_bytes zero bytes (the last position
+    holds col itself)."""
+    out = [[0] * n for _ in range(32)]
+    for i in range(n - 1, -1, -1):
+        for b in range(32):
+            out[b][i] = col[b]
+        if i:
+            col = _advance(col, step_bytes)
+    return out
 
 
 if triton is not None:
