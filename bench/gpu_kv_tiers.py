@@ -6,10 +6,10 @@ run, and the TTFT of an 8k-token prompt recomputed vs with its prefix loaded fro
   python3 bench/gpu_kv_tiers.py --out bench/results/gpu_kv_tiers.json
   python3 bench/gpu_kv_tiers.py --variants cpu,gpu:r256,gpu:w256:f0 --out ...   # tier 2 again per variant
 
-A variant is CHECKSUMS[:rMIB][:wMIB][:fMIB][:cN]: the tier-2 save and load measured again in the
+A variant is CHECKSUMS[:rMIB][:wMIB][:fMIB][:tMIB][:cN]: the tier-2 save and load measured again in the
 same process with the block checksums on the GPU (kv_block_crc.py, the default) or on the
 client's CPU threads, and the client's zero-copy chunks changed (r: a Pin, w: a Reserve, f: a
-save's first Reserve, c: commits in flight); each reports its ratios and where its seconds went
+save's first Reserve, t: its last, c: commits in flight); each reports its ratios and where its seconds went
 (the worker's copies, the client's stages).
 
 The kvstore checks a zero-copy save's blocks after its Commits answer (--verify-on-commit async,
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=int, default=0, help="the kvstore client's zero-copy chunk (0: its default)")
     ap.add_argument("--copy-threads", type=int, default=0, help="the client's checksum threads (0: its default)")
     ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: Python's)")
-    ap.add_argument("--variants", default="", help="CHECKSUMS[:rMIB][:wMIB][:fMIB][:cN],... (gpu or cpu): tier 2 again")
+    ap.add_argument("--variants", default="", help="CHECKSUMS[:rMIB][:wMIB][:fMIB][:tMIB][:cN],... (gpu or cpu): tier 2 again")
     ap.add_argument("--store-copy-threads", type=int, default=0, help="the kvstore's --copy-threads (0: its default)")
     ap.add_argument("--store-verify-on-commit", default="", choices=("", "sync", "async"),
                     help="the kvstore's --verify-on-commit ('': its default, async)")
@@ -232,13 +232,13 @@ def main() -> int:
             assert got[0].num_loaded == n_blocks - 1, got
 
         zc = client._zero_copy
-        defaults = (zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.commits_in_flight)
+        defaults = (zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.last_write_bytes, zc.commits_in_flight)
 
         def tier2(spec: str) -> dict:
             checksums, *knobs = spec.split(":")
             if io is not None:
                 io.crc = gpu_crc if checksums == "gpu" else None
-            zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.commits_in_flight = defaults
+            zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.last_write_bytes, zc.commits_in_flight = defaults
             for k in knobs:
                 v = int(k[1:])
                 if k[0] == "r":
@@ -247,6 +247,8 @@ def main() -> int:
                     zc.chunk_bytes = v << 20
                 elif k[0] == "f":
                     zc.first_write_bytes = v << 20
+                elif k[0] == "t":
+                    zc.last_write_bytes = v << 20
                 elif k[0] == "c":
                     zc.commits_in_flight = v
             before_io, before_client = dict(io.stats) if io else {}, client.transfer_stats
@@ -267,7 +269,8 @@ def main() -> int:
                 return {k: (b.get(k, 0) - a.get(k, 0)) / args.reps for k in sorted(b) if b.get(k, 0) != a.get(k, 0)}
             return {"checksums": checksums if io is not None and gpu_crc is not None else "cpu",
                     "read_chunk_mib": zc.read_chunk_bytes >> 20, "write_chunk_mib": zc.chunk_bytes >> 20,
-                    "first_write_mib": zc.first_write_bytes >> 20, "commits_in_flight": zc.commits_in_flight,
+                    "first_write_mib": zc.first_write_bytes >> 20,
+                    "last_write_mib": zc.last_write_bytes >> 20, "commits_in_flight": zc.commits_in_flight,
                     "save": gbps(nbytes - tiers.block_bytes, save_secs),
                     "load": load, "blocks_stored": stored, "bytes_identical": same,
                     "save_stages_s": {**per_rep(before_io, mid_io), **per_rep(before_client, mid_client)},
@@ -275,7 +278,7 @@ def main() -> int:
 
         if args.chunk_mb:
             zc.chunk_bytes = zc.read_chunk_bytes = args.chunk_mb << 20
-            defaults = (zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.commits_in_flight)
+            defaults = (zc.read_chunk_bytes, zc.chunk_bytes, zc.first_write_bytes, zc.last_write_bytes, zc.commits_in_flight)
         first = tier2("gpu")
         out["kvstore_save"], out["kvstore_load"] = first["save"], first["load"]
         out["kvstore_stages"] = first

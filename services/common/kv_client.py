@@ -64,7 +64,8 @@ class KvClient:
                  lookup_timeout_s: float = 0.25, min_gbps: float = 0.2, retry_after_s: float = 0.5,
                  max_retry_after_s: float = 5.0, copy_threads: int | None = None,
                  chunk_bytes: int = 512 << 20, data_plane: str = "auto", nixl_buffer_bytes: int = 128 << 20,
-                 write_chunk_bytes: int | None = None, first_write_bytes: int = 0) -> None:
+                 write_chunk_bytes: int | None = None, first_write_bytes: int = 0,
+                 last_write_bytes: int = 0) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         self.address = address
@@ -92,10 +93,13 @@ class KvClient:
         # busy), a Reserve of write_chunk_bytes (default: up to 256 MiB: a Reserve's round trip
         # costs about what 128 MiB of DMA does, and the next one overlaps this one's copies), a
         # save's first one of first_write_bytes (0: a whole chunk; a smaller first one let the
-        # store start its check sooner when Commit waited for it); measured in bench/gpu_kv_tiers.py.
+        # store start its check sooner when Commit waited for it), its last ones halving down to
+        # last_write_bytes (0: no taper; the commit after the last copy is the save's exposed
+        # round trip); measured in bench/gpu_kv_tiers.py.
         write = write_chunk_bytes if write_chunk_bytes else min(chunk_bytes, WRITE_CHUNK_BYTES)
         self._zero_copy = ZeroCopyTransfers(self._link, self._copies, write, read_chunk_bytes=chunk_bytes,
-                                            first_write_bytes=first_write_bytes)
+                                            first_write_bytes=first_write_bytes,
+                                            last_write_bytes=last_write_bytes)
 
     # ---- the API ----------------------------------------------------------------------
     @property

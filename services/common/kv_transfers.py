@@ -37,11 +37,21 @@ KEPT = (kv_pb2.KV_PUT_STATUS_STORED, kv_pb2.KV_PUT_STATUS_EXISTS)
 @dataclass
 class Filled:
     """What a fill may answer: the CRC-32C of each slot's bytes, computed by the filler from
-    its own copy of them (the store checks them against what landed on Commit), and `wait()`,
-    which returns once the bytes are in the slots (None: they are already) and raises if the
-    copies failed (the chunk is then dropped)."""
-    checksums: list[int]
+    its own copy of them (the store checks them against what landed on Commit), or a callable
+    that returns them (called on the commit thread, after `wait()`: a device checksum still
+    running need not hold up the next chunk's Reserve), and `wait()`, which returns once the
+    bytes are in the slots (None: they are already) and raises if the copies failed (the chunk
+    is then dropped)."""
+    checksums: list[int] | Callable[[], list[int]]
     wait: Callable[[], None] | None = None
+
+
+def _resolved(crcs, n: int) -> list[int]:
+    """A fill's checksums as a list of n (a callable is called); ValueError if not n of them."""
+    out = list(crcs() if callable(crcs) else crcs)
+    if len(out) != n:
+        raise ValueError(f"{len(out)} checksums for {n} slots")
+    return out
 
 
 class ConsumeFailed(Exception):
@@ -58,7 +68,7 @@ def map_blocks(pool: ThreadPoolExecutor, fn, n: int) -> list:
 
 class ZeroCopyTransfers:
     def __init__(self, link: KvLink, copies: ThreadPoolExecutor, chunk_bytes: int, read_chunk_bytes: int = 0,
-                 first_write_bytes: int = 0) -> None:
+                 first_write_bytes: int = 0, last_write_bytes: int = 0) -> None:
         self._link = link
         self._copies = copies
         self.chunk_bytes = chunk_bytes      # bytes per zero-copy Reserve call (at most)
@@ -66,6 +76,9 @@ class ZeroCopyTransfers:
         # A write's first chunk (0: chunk_bytes), then twice the last up to chunk_bytes: the
         # store's check of the first commit starts sooner (it is what a save waits for).
         self.first_write_bytes = first_write_bytes
+        # ... and its last chunks halve down to last_write_bytes (0: no taper): the commit that
+        # follows the last copy (a save's exposed round trip) covers few blocks.
+        self.last_write_bytes = last_write_bytes
         # A write's commits run beside the next chunk's fill; a read's pins ahead and releases.
         self.commits_in_flight = COMMITS_IN_FLIGHT
         self._commits = ThreadPoolExecutor(2 * COMMITS_IN_FLIGHT, thread_name_prefix="kv-client-commit")
@@ -86,15 +99,26 @@ class ZeroCopyTransfers:
         return max(1, min(kv_blocks.MAX_BLOCKS_PER_CALL, room // max(1, ns.block_bytes)))
 
     def _write_spans(self, ns, n: int, arena) -> list[tuple[int, int]]:
-        """(first block, count) of each Reserve: first_write_bytes, doubling up to a chunk."""
+        """(first block, count) of each Reserve: from first_write_bytes doubling up to a chunk,
+        then (last_write_bytes) halving down to it at the end. Head and tail grow alternately,
+        the smaller first, so a short write tapers at both ends too."""
         step = self._step(ns, arena)
-        size = max(1, min(step, self.first_write_bytes // max(1, ns.block_bytes))) if self.first_write_bytes else step
-        spans, i = [], 0
-        while i < n:
-            spans.append((i, min(size, n - i)))
-            i, size = i + size, min(step, size * 2)
-        return spans
 
+        def blocks(nbytes: int) -> int:
+            return max(1, min(step, nbytes // max(1, ns.block_bytes))) if nbytes else step
+        head, tail, front, back, left = blocks(self.first_write_bytes), blocks(self.last_write_bytes), [], [], n
+        while left > 0:
+            if not self.last_write_bytes or head <= tail:
+                front.append(min(head, left))
+                head, left = min(step, head * 2), left - front[-1]
+            else:
+                back.append(min(tail, left))
+                tail, left = min(step, tail * 2), left - back[-1]
+        spans, i = [], 0
+        for size in front + back[::-1]:
+            spans.append((i, size))
+            i += size
+        return spans
 
     def write(self, ns, hashes: list[bytes], fill, mapped_only: bool = False) -> int | None:
         """Reserve, fill, checksum and commit, chunk by chunk, the commit of chunk k on a
@@ -142,12 +166,14 @@ class ZeroCopyTransfers:
                     try:
                         crcs = fill(i, idx, slots)
                         if isinstance(crcs, Filled):
-                            crcs, wait = list(crcs.checksums), crcs.wait
-                            if len(crcs) != len(slots):
-                                raise ValueError(f"{len(crcs)} checksums for {len(slots)} slots")
+                            crcs, wait = crcs.checksums, crcs.wait
+                            if not callable(crcs):
+                                crcs = _resolved(crcs, len(slots))
                             if nixl and wait is not None:
                                 wait()     # in the staging slot before the NIXL WRITE
                                 wait = None
+                            if nixl:
+                                crcs = _resolved(crcs, len(slots))
                     except Exception as exc:  # noqa: BLE001 - a failed fill is a dropped save
                         self._link.log_once(f"kvstore save: filling the reserved slots failed ({type(exc).__name__}: "
                                        f"{str(exc)[:120]})")
@@ -202,6 +228,15 @@ class ZeroCopyTransfers:
                 t0 = time.perf_counter()
                 crcs = self._map(lambda k: checksum(slots[k]), len(slots))
                 self._timed("write_checksum_s", t0)
+            elif not abort and callable(crcs):
+                t0 = time.perf_counter()
+                try:
+                    crcs = _resolved(crcs, len(slots))
+                except Exception as exc:  # noqa: BLE001 - no checksums: the slots go back
+                    self._link.log_once(f"kvstore save: the fill's checksums failed ({type(exc).__name__}: "
+                                        f"{str(exc)[:120]})")
+                    abort = True
+                self._timed("write_crc_wait_s", t0)
             # Slots held past half the lease's life may have been taken back: never claim them.
             abort = abort or time.monotonic() - reserved_at > self._link.lease_ttl_s / 2
             t0 = time.perf_counter()

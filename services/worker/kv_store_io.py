@@ -272,7 +272,8 @@ class StoreIO:
         if ready is not None and self.cuda:
             self._save_stream.wait_event(ready)
         flat = data.reshape(len(hashes), -1)
-        crcs: list = []     # the device's checksums of `data`, fetched by the first fill
+        crcs: list = []     # the device's checksums of `data`, fetched by the first commit that needs them
+        crc_lock = threading.Lock()
         crc_ready = None
         if self.crc is not None:   # beside the copies (its own stream): the first fill waits for it
             if ready is not None:
@@ -310,15 +311,19 @@ class StoreIO:
                 self.stats["save_copy_s"] += time.perf_counter() - t0
                 return None      # the client checksums the slots
             self.stats["save_copy_s"] += time.perf_counter() - t0   # started only
-            if not crcs:
-                crc_ready.synchronize()
-                crcs.extend(v & 0xFFFFFFFF for v in on_host.tolist())
+
+            def checksums() -> list[int]:   # on a commit thread: the next Reserve need not wait
+                with crc_lock:
+                    if not crcs:
+                        crc_ready.synchronize()
+                        crcs.extend(v & 0xFFFFFFFF for v in on_host.tolist())
+                return [crcs[i] for i in idx]
 
             def wait() -> None:
                 t1 = time.perf_counter()
                 done.synchronize()
                 self.stats["save_wait_s"] += time.perf_counter() - t1
-            return Filled([crcs[i] for i in idx], wait)
+            return Filled(checksums, wait)
 
         t0 = time.perf_counter()
         kept = self.client.write_zero_copy(ns, hashes, fill)

@@ -138,3 +138,68 @@ def test_a_save_starts_with_a_small_chunk_and_doubles_up_to_the_write_chunk(kvst
         _empty(client)
     finally:
         client.close()
+
+
+def test_a_tapered_save_ends_with_chunks_halving_down_to_the_last_write_chunk(kvstore):
+    blocks = _blocks(20, b"taper-")
+    bb = len(blocks[0][1])
+    client = KvClient(kvstore.addr, chunk_bytes=16 * bb, write_chunk_bytes=4 * bb, first_write_bytes=bb,
+                      last_write_bytes=bb)
+    spans = []
+
+    def fill(start, idx, views):
+        spans.append((start, len(idx)))
+        for k, v in zip(idx, views):
+            v[:] = blocks[k][1]
+        return Filled([checksum(blocks[k][1]) for k in idx])
+
+    try:
+        assert client.write_zero_copy(NS, [h for h, _ in blocks], fill) == 20
+        sizes = [n for _, n in spans]
+        assert sizes[0] == 1 and sizes[-1] == 1 and max(sizes) == 4 and sum(sizes) == 20, sizes
+        assert [s for s, _ in spans] == [sum(sizes[:i]) for i in range(len(sizes))]   # in order, no gap
+        peak = len(sizes) - sizes[::-1].index(4)
+        assert sizes[:3] == [1, 2, 4] and sizes[-2:] == [2, 1], sizes
+        assert all(a >= b for a, b in zip(sizes[peak - 1:], sizes[peak:])), sizes   # tapers after the last full chunk
+        assert client.get(NS, [h for h, _ in blocks]) == [d for _, d in blocks]
+        _empty(client)
+    finally:
+        client.close()
+
+
+def test_checksums_answered_later_are_fetched_by_the_commit_and_checked_or_abort_the_chunk(kvstore):
+    """Filled(checksums=callable): called on the commit thread after the copies' wait (as the
+    worker's device checksums are fetched); a wrong one is dropped by the store, one that raises
+    gives the chunk's slots back and the other chunks are still stored."""
+    blocks = _blocks(9, b"lazy-crc-")
+    bb = len(blocks[0][1])
+    client = KvClient(kvstore.addr, chunk_bytes=3 * bb)
+    hashes = [h for h, _ in blocks]
+    calls = []
+
+    def fill(start, idx, views):
+        for k, v in zip(idx, views):
+            v[:] = blocks[k][1]
+        waited = threading.Event()
+
+        def crcs():
+            assert waited.is_set(), "checksums asked for before the copies' wait"
+            calls.append(start)
+            if start == 6:
+                raise RuntimeError("device checksum failed")
+            out = [checksum(blocks[k][1]) for k in idx]
+            if start == 3:
+                out[0] ^= 1     # block 3: wrong, dropped
+            return out
+        return Filled(crcs, waited.set)
+
+    try:
+        assert client.write_zero_copy(NS, hashes, fill) == 6   # chunk 6..8 aborted
+        assert sorted(calls) == [0, 3, 6]
+        wait_for_miss(client, NS, hashes[3])
+        assert client.lookup(NS, hashes) == 3
+        assert client.get(NS, hashes[4:6]) == [d for _, d in blocks[4:6]]
+        assert client.get(NS, hashes[6:]) == [None] * 3
+        _empty(client)
+    finally:
+        client.close()
