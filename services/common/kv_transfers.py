@@ -167,12 +167,10 @@ class ZeroCopyTransfers:
                         crcs = fill(i, idx, slots)
                         if isinstance(crcs, Filled):
                             crcs, wait = crcs.checksums, crcs.wait
-                            if not callable(crcs):
-                                crcs = _resolved(crcs, len(slots))
                             if nixl and wait is not None:
                                 wait()     # in the staging slot before the NIXL WRITE
                                 wait = None
-                            if nixl:
+                            if nixl or not callable(crcs):   # else the commit thread calls it
                                 crcs = _resolved(crcs, len(slots))
                     except Exception as exc:  # noqa: BLE001 - a failed fill is a dropped save
                         self._link.log_once(f"kvstore save: filling the reserved slots failed ({type(exc).__name__}: "

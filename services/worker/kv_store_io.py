@@ -275,7 +275,7 @@ class StoreIO:
         crcs: list = []     # the device's checksums of `data`, fetched by the first commit that needs them
         crc_lock = threading.Lock()
         crc_ready = None
-        if self.crc is not None:   # beside the copies (its own stream): the first fill waits for it
+        if self.crc is not None:   # beside the copies (its own stream): the first commit waits for it
             if ready is not None:
                 self._crc_stream.wait_event(ready)
             with torch.cuda.stream(self._crc_stream):
