@@ -3,14 +3,15 @@ on the Llama-3.1-8B shape with random weights (bench/gpu_decode.py's model and l
 
 1. kernel checks at full shapes: the per-token quantiser against torch's e4m3 cast; every
    projection's FP8 product against the dequantised weights, at M = 1, 7, 64, 256;
-2. per projection: bf16 (cuBLAS, or the Triton GEMV at M = 1) vs FP8 (the FP8 GEMV at M = 1,
-   quantiser + torch._scaled_mm above) at M = 1, 64, 256, 1024, 8192, and the FP8 GEMM ceiling;
-3. decode step at batch 1 / 64 / 256 (mean context 1,536) for bf16 and FP8 weights with a bf16
+2. decode step at batch 1 / 64 / 256 (mean context 1,536) for bf16 and FP8 weights with a bf16
    and an fp8 KV cache, against the memory floor (weight bytes + KV bytes at the measured copy
-   bandwidth);
-4. offline 1k/1k (512 requests, 256 at once) for each weights x KV pair asked for.
+   bandwidth); FP8 weights both "fused" (producers quantise, consumers scale: the served path)
+   and "separate" (one quantiser + row-wise-scaled GEMM per projection, models/llama_triton.FUSED_FP8);
+3. offline 1k/1k (512 requests, 256 at once) for each weights:KV[:mode] asked for.
 
-  python3 bench/gpu_fp8.py [--offline bf16:fp8,fp8:fp8] [--out bench/results/gpu_fp8.json]
+Per-kernel timings of the projections: bench/gpu_fp8_kernels.py.
+
+  python3 bench/gpu_fp8.py [--offline bf16:fp8,fp8:fp8,fp8:fp8:separate] [--out bench/results/gpu_fp8.json]
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, cuda_time_ms, decode_steps,  # noqa: E402
                         kv_runner, llama31_8b_config, offline)
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
-from services.worker.kernels.gemv import linear  # noqa: E402
+from services.worker.models import llama_triton  # noqa: E402
 from services.worker.models.fp8 import FP8, Fp8Weight, quantize_layers, quantize_weight  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -68,40 +69,16 @@ def kernel_checks() -> dict:
     return out
 
 
-def projection_times() -> dict:
-    g = torch.Generator(device="cuda").manual_seed(2)
-    rows = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-        fw = quantize_weight(w)
-        for m in (1, 64, 256, 1024, 8192):
-            a = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-            bf = cuda_time_ms(lambda: linear(a, w), 30)
-            f8 = cuda_time_ms(lambda: fp8_linear(a, fw), 30)
-            f8_gemm = None
-            if m > 1:
-                qa, sa = quantize_rows(a)
-                f8_gemm = cuda_time_ms(lambda: torch._scaled_mm(qa, fw.weight.t(), scale_a=sa,
-                                                                scale_b=fw.scale[None, :], out_dtype=torch.bfloat16), 30)
-            rows.append({"proj": name, "M": m, "bf16_ms": bf, "fp8_ms": f8,
-                         "fp8_gemm_only_ms": f8_gemm, "speedup": bf / f8,
-                         "fp8_weight_GBps": n * k / (f8 / 1e3) / 1e9})
-            print("proj", rows[-1], flush=True)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16).to(FP8)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16).to(FP8)
-    one = torch.ones(1, device="cuda")
-    ms = cuda_time_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
-    return {"rows": rows, "fp8_gemm_8192_flops": 2 * 8192 ** 3 / (ms / 1e3)}
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_fp8.json")
-    p.add_argument("--offline", default="bf16:fp8,fp8:fp8", help="weights:kv pairs for the offline 1k/1k runs")
+    p.add_argument("--offline", default="bf16:fp8,fp8:fp8,fp8:fp8:separate",
+                   help="weights:kv[:separate] for the offline 1k/1k runs")
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--offline-cap-s", type=float, default=120.0)
     p.add_argument("--kv-gib", type=float, default=64.0)
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--weights", default="bf16,fp8")
     a = p.parse_args()
     out = Path(a.out)
     res: dict = {"bench": "gpu_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -114,14 +91,12 @@ def main() -> int:
     res["kernel_checks"] = kernel_checks()
     print("checks", res["kernel_checks"], flush=True)
     save()
-    res["projections"] = projection_times()
-    save()
     cfg = llama31_8b_config()
     gen = torch.Generator().manual_seed(0)
     kv_elems = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     res["decode"], res["offline"] = [], []
-    offline_pairs = [tuple(x.split(":")) for x in a.offline.split(",") if x]
-    for weights in ("bf16", "fp8"):
+    offline_runs = [tuple(x.split(":")) + (("fused",) if x.count(":") == 1 else ()) for x in a.offline.split(",") if x]
+    for weights in a.weights.split(","):
         model = build_model(cfg, 4096)
         if weights == "fp8":
             t0 = time.perf_counter()
@@ -131,30 +106,36 @@ def main() -> int:
         wbytes = weight_bytes(model)
         res.setdefault("weight_bytes", {})[weights] = wbytes
         for kv_name in ("bf16", "fp8"):
-            want_offline = (weights, kv_name) in offline_pairs
-            if a.skip_decode and not want_offline:
+            modes = ("fused", "separate") if weights == "fp8" else ("-",)
+            wanted = [m for m in modes if (weights, kv_name, m if weights == "fp8" else "fused") in offline_runs]
+            if a.skip_decode and not wanted:
                 continue
             kv_dtype = None if kv_name == "bf16" else torch.float8_e4m3fn
-            runner = kv_runner(model, a.kv_gib, kv_dtype)
-            if not a.skip_decode:
-                for b in (1, 64, 256):
-                    r = decode_steps(runner, Reqs(runner.num_blocks), b, 1536, 30, gen)
-                    floor = wbytes + b * 1536 * kv_elems * (1 if kv_dtype is not None else 2)
-                    r.update(weights=weights, kv_cache=kv_name, floor_ms_at_measured_bw=floor / bw * 1e3,
-                             floor_ms_at_4_3TBps=floor / COPY_TBPS_NOMINAL * 1e3)
-                    r["replay_ratio_to_floor"] = (r["graph_replay_ms"] or r["step_ms_pipelined"]) / r["floor_ms_at_measured_bw"]
-                    r["pipelined_ratio_to_floor"] = r["step_ms_pipelined"] / r["floor_ms_at_measured_bw"]
-                    res["decode"].append(r)
-                    print("decode", r, flush=True)
+            for mode in modes:
+                # A runner per mode: its hello captures the decode graphs of that forward.
+                llama_triton.FUSED_FP8 = mode != "separate"
+                runner = kv_runner(model, a.kv_gib, kv_dtype)
+                if not a.skip_decode:
+                    for b in (1, 64, 256):
+                        r = decode_steps(runner, Reqs(runner.num_blocks), b, 1536, 30, gen)
+                        floor = wbytes + b * 1536 * kv_elems * (1 if kv_dtype is not None else 2)
+                        r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode,
+                                 floor_ms_at_measured_bw=floor / bw * 1e3,
+                                 floor_ms_at_4_3TBps=floor / COPY_TBPS_NOMINAL * 1e3)
+                        r["replay_ratio_to_floor"] = (r["graph_replay_ms"] or r["step_ms_pipelined"]) / r["floor_ms_at_measured_bw"]
+                        r["pipelined_ratio_to_floor"] = r["step_ms_pipelined"] / r["floor_ms_at_measured_bw"]
+                        res["decode"].append(r)
+                        print("decode", r, flush=True)
+                        save()
+                if mode in wanted:
+                    r = offline(runner, a.requests, 256, 1024, 1024, 8192, gen, a.offline_cap_s)
+                    r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
+                    res["offline"].append(r)
+                    print("offline", r, flush=True)
                     save()
-            if want_offline:
-                r = offline(runner, a.requests, 256, 1024, 1024, 8192, gen, a.offline_cap_s)
-                r.update(weights=weights, kv_cache=kv_name)
-                res["offline"].append(r)
-                print("offline", r, flush=True)
-                save()
-            del runner
-            torch.cuda.empty_cache()
+                llama_triton.FUSED_FP8 = True
+                del runner
+                torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
     save()

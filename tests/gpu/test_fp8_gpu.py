@@ -35,6 +35,36 @@ def test_fp8_kernels_at_full_shapes(n, k):
         assert (got - want).norm() / want.norm() < 0.05, m
 
 
+def test_fused_fp8_kernels_at_full_shapes():
+    """In bf16 at the 8B shapes (the CPU tests run fp32): the norm and SiLU·mul quantise what
+    they would have written, bit for bit; the consumers of an unscaled product give what they
+    give on the product scaled first; unit-scaled GEMM + consumer scales ~= fp8_linear."""
+    from services.worker.kernels.elementwise import add_rms_norm, silu_mul
+    from services.worker.kernels.fp8 import unscaled_mm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+    x = torch.randn(256, 4096, device="cuda", generator=g, dtype=bf) * 3
+    res = torch.randn(256, 4096, device="cuda", generator=g, dtype=bf)
+    nw = torch.rand(4096, device="cuda", generator=g, dtype=bf) + 0.5
+    a = add_rms_norm(x, nw, 1e-5, residual=res.clone(), fp8_out=True)
+    b = quantize_rows(add_rms_norm(x, nw, 1e-5, residual=res.clone()))
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0].float(), b[0].float())
+    w = quantize_weight(torch.randn(28672, 4096, device="cuda", generator=g, dtype=bf) * 0.02)
+    raw = unscaled_mm(a, w, bf)
+    scaled = (raw.float() * a[1] * w.scale).to(bf)
+    ref = fp8_linear(add_rms_norm(x, nw, 1e-5, residual=res.clone()), w)
+    assert (scaled.float() - ref.float()).norm() / ref.float().norm() < 0.01
+    m = silu_mul(raw, in_scales=(a[1], w.scale), fp8_out=True)
+    want = quantize_rows(silu_mul(scaled))
+    assert torch.equal(m[1], want[1]) and torch.equal(m[0].float(), want[0].float())
+    r1, r2 = res.clone(), res.clone()
+    wd = quantize_weight(torch.randn(4096, 14336, device="cuda", generator=g, dtype=bf) * 0.02)
+    down = unscaled_mm(m, wd, bf)
+    o1 = add_rms_norm(down, nw, 1e-5, residual=r1, in_scales=(m[1], wd.scale))
+    o2 = add_rms_norm((down.float() * m[1] * wd.scale).to(bf), nw, 1e-5, residual=r2)
+    assert torch.equal(o1, o2) and torch.equal(r1, r2)
+
+
 def _all_logits(model, ids: list[int]) -> torch.Tensor:
     """float32 logits [T, V] of one sequence through the served Triton forward (eager prefill)."""
     from services.worker.models.llama_triton import KernelAttnInputs, compute_logits_triton, forward_triton

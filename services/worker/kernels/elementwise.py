@@ -1,6 +1,11 @@
 """Row-wise Triton kernels of the decoder layer: fused residual-add + RMSNorm, rotary embedding
 (in place on the fused qkv), SiLU·mul. Each one reads its input once and writes its output once;
 the arithmetic is fp32 whatever the storage dtype.
+
+With FP8 weights (kernels/fp8.py) the norm and SiLU·mul take the unscaled FP8 product in and apply
+its per-token and per-channel scales as they read it (`in_scales`), and quantise their output per
+token for the next projection as they write it (`fp8_out`): the GEMM between them needs no scaling
+epilogue and no separate quantiser pass.
 """
 from __future__ import annotations
 
@@ -8,15 +13,36 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.attention import quantize_fp8_e4m3
+
+FP8 = torch.float8_e4m3fn
+
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps,
+def _quantize_row_fp8(v, q_ptr, s_ptr, row, cols, ok):
+    """Per-token FP8 of one row held in registers (fp32 values already rounded to the model's
+    dtype): scale = amax / 448 (1 for an all-zero row) into s_ptr[row], e4m3 values into q_ptr's
+    row: the same values and scale as kernels/fp8.quantize_rows on the stored row."""
+    amax = tl.max(tl.where(ok, tl.abs(v), 0.0), 0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    tl.store(s_ptr + row, scale)
+    tl.store(q_ptr + cols, quantize_fp8_e4m3(v, scale).to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr,
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if IN_SCALED:
+        # x is an unscaled FP8 product (kernels/fp8.py): times its row and column scales, rounded
+        # to the model's dtype as the scaled product would have been stored.
+        x = x * tl.load(rs_ptr + row) * tl.load(cs_ptr + cols, mask=ok, other=0.0)
+        x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         # residual += x, rounded to the storage dtype as torch's `h = h + x` would be.
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
@@ -26,27 +52,42 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps,
     var = tl.sum(x * x, 0) / n_cols
     y = x * tl.rsqrt(var + eps)
     # HF LlamaRMSNorm: normalise in fp32, cast to the input dtype, then scale by the weight.
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+    if OUT_FP8:   # the next projection's per-token FP8 input, quantised here instead of re-read
+        y = (y * w).to(res_ptr.dtype.element_ty).to(tl.float32)
+        _quantize_row_fp8(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 fp8_out: bool = False):
     """x: [T, H]. Without residual: rms_norm(x) * w. With residual [T, H]: residual += x in place,
-    then returns rms_norm(residual) * w (the pre-norm decoder's `h = h + x; x = norm(h)`)."""
+    then returns rms_norm(residual) * w (the pre-norm decoder's `h = h + x; x = norm(h)`).
+
+    in_scales (row [T, 1], col [H] float32): x is an unscaled FP8 product, x * row * col is meant.
+    fp8_out: returns (e4m3 [T, H], float32 scales [T, 1]), the output quantised per token (what
+    kernels/fp8.quantize_rows would make of the bf16 output)."""
     t, h = x.shape
-    if out is None:
+    res = residual if residual is not None else x
+    if fp8_out:
+        out = torch.empty(t, h, dtype=FP8, device=x.device)
+        qs = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    elif out is None:
         out = torch.empty_like(x)
     if t == 0:
-        return out
-    res = residual if residual is not None else x
+        return (out, qs) if fp8_out else out
     assert x.stride(1) == 1 and res.stride(1) == 1 and out.stride(1) == 1
     block = triton.next_power_of_2(h)
-    _add_rms_norm_kernel[(t,)](x, res, weight, out, h, eps, x.stride(0), res.stride(0), out.stride(0),
-                               HAS_RESIDUAL=residual is not None, BLOCK=block,
-                               num_warps=min(16, max(1, block // 256)))
-    return out
+    rs, cs = in_scales if in_scales is not None else (weight, weight)
+    _add_rms_norm_kernel[(t,)](x, res, weight, out, rs, cs, qs if fp8_out else weight, h, eps,
+                               x.stride(0), res.stride(0), out.stride(0),
+                               HAS_RESIDUAL=residual is not None, IN_SCALED=in_scales is not None,
+                               OUT_FP8=fp8_out, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return (out, qs) if fp8_out else out
 
 
 @triton.jit
@@ -90,26 +131,45 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, stride_x, stride_out,
+                     IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    if IN_SCALED:   # an unscaled FP8 product: scaled and rounded as the stored product would be
+        r = tl.load(rs_ptr + row)
+        gate = (gate * r * tl.load(cs_ptr + cols, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = (up * r * tl.load(cs_ptr + n_cols + cols, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if OUT_FP8:   # one program holds the whole row (BLOCK >= n_cols)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        _quantize_row_fp8(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
-    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024,
+             in_scales: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_out: bool = False):
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I].
+
+    in_scales (row [T, 1], col [2I] float32): x is an unscaled FP8 product (x * row * col meant).
+    fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token (one program per
+    row then holds the whole row)."""
     t, two_i = x.shape
     i = two_i // 2
-    if out is None:
+    if fp8_out:
+        out = torch.empty(t, i, dtype=FP8, device=x.device)
+        qs = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    elif out is None:
         out = torch.empty(t, i, dtype=x.dtype, device=x.device)
     if t == 0:
-        return out
+        return (out, qs) if fp8_out else out
     assert x.stride(1) == 1 and out.stride(1) == 1
-    block = min(block, triton.next_power_of_2(i))
-    _silu_mul_kernel[(t, triton.cdiv(i, block))](x, out, i, x.stride(0), out.stride(0), BLOCK=block,
-                                                 num_warps=4)
-    return out
+    block = triton.next_power_of_2(i) if fp8_out else min(block, triton.next_power_of_2(i))
+    rs, cs = in_scales if in_scales is not None else (x, x)
+    _silu_mul_kernel[(t, triton.cdiv(i, block))](x, out, rs, cs, qs if fp8_out else x, i, x.stride(0), out.stride(0),
+                                                 IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
+                                                 num_warps=min(16, max(4, block // 1024)) if fp8_out else 4)
+    return (out, qs) if fp8_out else out

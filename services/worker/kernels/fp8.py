@@ -2,11 +2,17 @@
 
 - One row (batch-1 decode is weight streaming): a Triton GEMV that reads the FP8 weight once,
   multiplies with the bf16 activation in fp32 and applies the row scales at the end: half the
-  bytes of the bf16 GEMV, and no activation rounding.
-- More rows: the activations are quantised per token (`quantize_rows`: one kernel computes each
-  row's absolute maximum and writes e4m3 values and the row's scale, amax / 448), then
-  torch._scaled_mm (cuBLASLt FP8 with row-wise scales: scale_a [M, 1], scale_b [1, N]) writes the
-  bf16 output, bias included.
+  bytes of the bf16 GEMV, and no activation rounding. Tiles by shape (`gemv_config`).
+- More rows, in the model's forward (models/llama_triton.py): the producer of a projection's input
+  (the residual-add RMSNorm, SiLU·mul) quantises it per token as it writes it, `unscaled_mm`
+  multiplies on the FP8 tensor cores through cuBLASLt with unit scales, and the consumer (the
+  q/k/v prep, the next norm, SiLU·mul) applies the token's and the channel's scales as it reads
+  the product. cuBLASLt's row-wise-scaled FP8 GEMMs pick slow tiles below ~1k rows (H200, 8B
+  shapes, bench/results/gpu_fp8_kernels.json: qkv at 2 rows 18.0 us row-wise vs 9.6 unit-scaled,
+  down at 64 rows 36.8 vs 18.4, gate_up at 256 rows 56.4 vs 53.0).
+- `fp8_linear` is the whole projection in one call (`quantize_rows`, then torch._scaled_mm with
+  row-wise scales, bias included): for projections with a bias, and for the row-parallel o and
+  down of tensor parallelism, whose per-rank products must be scaled before the all-reduce.
 """
 from __future__ import annotations
 
@@ -14,30 +20,25 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.attention import quantize_fp8_e4m3
 from services.worker.kernels.gemv import gemv_kernel
 from services.worker.models.fp8 import FP8, FP8_MAX, Fp8Weight
 
-GEMV_CONFIG = (16, 512, 8, 2)   # BLOCK_N, BLOCK_K, num_warps, num_stages
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), still in fp32: the
-    cast after it is exact. Triton's interpreter (CI) rounds fp32 -> e4m3 wrongly where the
-    rounding carries into the exponent (1.97 -> 1.0), so the kernel never leaves the rounding
-    to the cast. The classic trick: adding and subtracting 1.5 * 2^(23 + e) rounds to a multiple
-    of 2^e; e = the value's exponent - 3 (3 mantissa bits), at least -9 (subnormals)."""
-    bits = v.to(tl.int32, bitcast=True)
-    exp = ((bits >> 23) & 0xFF) - 127
-    step_exp = tl.maximum(exp, -6) - 3
-    magic = (((step_exp + 23 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
-    return (v + magic) - magic
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX_C: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if ONE_PASS:   # the whole row in registers: one read
+        rk = tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+        m = tl.max(tl.abs(x), 0)
+        scale = tl.where(m > 0, m / FP8_MAX_C, 1.0)
+        tl.store(s_ptr + row, scale)
+        q = quantize_fp8_e4m3(x, scale)
+        tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
+        return
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -50,19 +51,32 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX_C: tl
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
         # div_rn: IEEE division (Triton's `/` may be approximate on the GPU), as torch's x / s.
-        q = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
+        q = quantize_fp8_e4m3(x, scale)
         tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+ONE_PASS_MAX_K = 16384   # rows up to this long are read once (held in registers), longer ones twice
+
+
+def quantize_rows(x: torch.Tensor, one_pass: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), x ~= q * scale."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX_C=FP8_MAX,
-                                 BLOCK_K=min(1024, triton.next_power_of_2(k)))
+        one = one_pass and k <= ONE_PASS_MAX_K
+        block = triton.next_power_of_2(k) if one else min(1024, triton.next_power_of_2(k))
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX_C=FP8_MAX, BLOCK_K=block,
+                                 ONE_PASS=one, num_warps=min(16, max(4, block // 512)) if one else 4)
     return q, s
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the FP8 GEMV, from the H200 sweep at the 8B
+    shapes (bench/results/gpu_fp8_kernels.json, L2-cold, in CUDA graphs): narrow outputs (o, down:
+    N = 4096) want more, thinner programs (o 7.1 us vs 7.9, down 17.8 vs 22.2 with 16 x 512);
+    wide ones (qkv, gate_up) 16 rows of 512 (gate_up 3.5 TB/s)."""
+    return (8, 1024, 4, 2) if n <= 4096 else (16, 512, 8, 2)
 
 
 def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
@@ -71,15 +85,36 @@ def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     n, k = w.weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config or GEMV_CONFIG
+    bn, bk, warps, stages = config or gemv_config(n, k)
     bk = min(bk, triton.next_power_of_2(k))
     gemv_kernel[(triton.cdiv(n, bn),)](x, w.weight, w.scale, bias if bias is not None else w.scale, y, n, k,
-                                       w.weight.stride(0), HAS_SCALE=True, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-                                            num_warps=warps, num_stages=stages)
+                                       w.weight.stride(0), HAS_SCALE=True, HAS_BIAS=bias is not None, BLOCK_N=bn,
+                                       BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y
 
 
 W8A8_MIN_ROWS = 2   # from this many rows on, activations are quantised too (bench/gpu_fp8.py measures)
+
+_UNIT: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    one = _UNIT.get(device)
+    if one is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # A tensor made inside a capture holds nothing until the graph runs.
+            raise RuntimeError("unscaled_mm must run once eagerly before a CUDA graph captures it")
+        one = _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def unscaled_mm(a: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """a = (e4m3 [M, K], its per-token scales [M, 1]), w FP8 [N, K] -> sum_k a[m, k] * w[n, k] in
+    out_dtype, unscaled: the real product is that times a's scale[m] and w.scale[n], which the
+    consumer applies (the `in_scales` of kernels/elementwise.py and qkv_prep.py). The products
+    of e4m3 values accumulate exactly in fp32; bf16 holds the sum's range (448^2 * K)."""
+    q = a[0]
+    return torch._scaled_mm(q, w.weight.t(), scale_a=_unit(q.device), scale_b=_unit(q.device), out_dtype=out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

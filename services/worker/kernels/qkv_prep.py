@@ -19,12 +19,13 @@ from services.worker.kernels.attention import quantize_fp8_e4m3
 
 
 @triton.jit
-def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, slot_ptr,
+def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, slot_ptr, rs_ptr, cs_ptr,
                      stride_t, stride_pos, stride_plane, stride_blk, stride_slot, stride_ch,
                      eps, k_scale, v_scale,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-                     IS_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     IS_FP8: tl.constexpr, IN_SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -38,6 +39,13 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
     base = qkv_ptr + t * stride_t + heads[:, None] * HEAD_DIM + dims[None, :]
     x1_st = tl.load(base, mask=ok, other=0.0)
     x2_st = tl.load(base + HALF, mask=ok, other=0.0)
+    if IN_SCALED:
+        # qkv holds an unscaled FP8 product (kernels/fp8.py): scale it by its token's and its
+        # columns' scales, rounded to the storage dtype as the scaled product would have been.
+        r = tl.load(rs_ptr + t)
+        col = heads[:, None] * HEAD_DIM + dims[None, :]
+        x1_st = (x1_st.to(tl.float32) * r * tl.load(cs_ptr + col, mask=ok, other=0.0)).to(qkv_ptr.dtype.element_ty)
+        x2_st = (x2_st.to(tl.float32) * r * tl.load(cs_ptr + col + HALF, mask=ok, other=0.0)).to(qkv_ptr.dtype.element_ty)
     x1 = x1_st.to(tl.float32)
     x2 = x2_st.to(tl.float32)
 
@@ -69,6 +77,10 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
     rot_ok = rot[:, None] & d_ok[None, :]
     tl.store(base, o1, mask=rot_ok)
     tl.store(base + HALF, o2, mask=rot_ok)
+    if IN_SCALED:   # v stays in qkv too, scaled (attention reads K and V from the cache only)
+        v_ok = is_v[:, None] & d_ok[None, :]
+        tl.store(base, x1_st, mask=v_ok)
+        tl.store(base + HALF, x2_st, mask=v_ok)
 
     # Cache: k rows take the rotated values (as left in qkv), v rows the loaded ones.
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -93,7 +105,8 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
               kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
               head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
               eps: float = 1e-6, k_scale: float = 1.0, v_scale: float = 1.0,
-              heads_per_program: int | None = None) -> torch.Tensor:
+              heads_per_program: int | None = None,
+              in_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """In place on qkv [T, >= (nh + 2 kvh) * d] (row stride free, head dim contiguous):
     optional per-head RMSNorm of q and k (weights [d], both or neither), then RoPE on q and k
     (positions [T] int; cos, sin fp32 [max_len, d], HF layout); then stores this step's k (rotated)
@@ -101,6 +114,8 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     An fp8 (e4m3fn) cache stores x / scale saturated to ±448 (kernels.attention.quantize_fp8_e4m3,
     the same rule as write_kv); other caches store x cast to their dtype.
     k_scale / v_scale are Python floats (fixed per model: a CUDA graph captures them as constants).
+    in_scales (row [T, 1], col [(nh + 2 kvh) * d] float32): qkv holds an unscaled FP8 product and
+    qkv * row * col is meant; every head is scaled in place first (v too).
     Returns qkv."""
     t = qkv.shape[0]
     if t == 0:
@@ -128,13 +143,14 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     wq = q_norm if has_norm else qkv  # placeholder pointers, never read without HAS_NORM
     wk = k_norm if has_norm else qkv
+    rs, cs = in_scales if in_scales is not None else (qkv, qkv)
     grid = (t, triton.cdiv(total, block_h))
-    _qkv_prep_kernel[grid](qkv, positions, cos, sin, wq, wk, kv_cache, slot_mapping,
+    _qkv_prep_kernel[grid](qkv, positions, cos, sin, wq, wk, kv_cache, slot_mapping, rs, cs,
                            qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1),
                            kv_cache.stride(2), kv_cache.stride(3),
                            float(eps), float(k_scale), float(v_scale),
                            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                            HALF=half, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
-                           IS_FP8=is_fp8, BLOCK_H=block_h,
+                           IS_FP8=is_fp8, IN_SCALED=in_scales is not None, BLOCK_H=block_h,
                            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
     return qkv

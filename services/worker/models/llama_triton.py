@@ -4,7 +4,9 @@ Same math as LlamaModel.forward (the torch reference, which stays the CPU path a
 fused where it saves a pass over the activations or a launch: one kernel takes the fused qkv output
 through Qwen3's q/k norm, RoPE (in place) and the K/V write into the paged cache; residual-add +
 RMSNorm is one kernel, SiLU·mul another. GEMMs are cuBLAS through torch; with FP8 weights
-(--quantization fp8) kernels/fp8.py (per-token FP8 activations x cuBLASLt, a Triton GEMV at one row).
+(--quantization fp8) kernels/fp8.py: a Triton GEMV at one row; from two rows on, the norm and
+SiLU·mul write their output as per-token FP8 (the attention output gets its own quantiser), the
+GEMM runs unit-scaled, and the kernel after it applies the scales as it reads the product.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 
 from services.worker.kernels.attention import paged_attention
 from services.worker.kernels.embedding import embed_tokens
-from services.worker.kernels.fp8 import fp8_linear
+from services.worker.kernels import fp8 as fp8_kernels
+from services.worker.kernels.fp8 import fp8_linear, quantize_rows, unscaled_mm
 from services.worker.kernels.gemv import linear
 from services.worker.kernels.elementwise import add_rms_norm, silu_mul
 from services.worker.kernels.qkv_prep import qkv_prep_
@@ -35,6 +38,11 @@ class KernelAttnInputs:
     num_splits: int = 1             # split-KV programs per sequence (decode only)
 
 
+# With FP8 weights and >= 2 rows: producers quantise, consumers scale (see forward_triton). False:
+# every FP8 projection is one fp8_linear call (bench/gpu_fp8.py times both in one run; tests compare).
+FUSED_FP8 = True
+
+
 def proj(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """The wide projections (qkv, gate_up): cuBLAS for bf16 weights, kernels/fp8.py for FP8 ones."""
     return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
@@ -43,6 +51,15 @@ def proj(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 def proj_gemv(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """o and down: the Triton GEMV at one row for bf16 weights (gemv.py), kernels/fp8.py for FP8."""
     return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else linear(x, w, bias)
+
+
+def project(x, w, bias: torch.Tensor | None, plain, dtype: torch.dtype):
+    """x @ W^T (+ bias) -> (output, in_scales). x may be a (e4m3, per-token scales) pair made by its
+    producer: then W is FP8 and the output is the unscaled product, whose (token, channel) scales
+    come back for the consumer to apply. Otherwise `plain` (proj or proj_gemv) and no scales."""
+    if isinstance(x, tuple):
+        return unscaled_mm(x, w, dtype), (x[1], w.scale)
+    return plain(x, w, bias), None
 
 
 def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,23 +85,39 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
         residual = F.embedding(input_ids, model.embed)                              # [T, H]
     else:
         residual = embed_tokens(model.embed, input_ids, prev_src, prev_tokens)
-    x = add_rms_norm(residual, model.layers[0].input_norm, eps)
+    layers = model.layers
+
+    def fp8_in(w, bias, row_parallel: bool = False) -> bool:
+        """The projection takes per-token FP8 input from its producer and leaves its scales to its
+        consumer (kernels/fp8.py); not with a bias, nor for a row-parallel projection under tensor
+        parallelism (each rank's product must be scaled before the all-reduce)."""
+        return (FUSED_FP8 and isinstance(w, Fp8Weight) and bias is None and t >= fp8_kernels.W8A8_MIN_ROWS
+                and not (row_parallel and model.tp_size > 1))
+
+    x = add_rms_norm(residual, layers[0].input_norm, eps, fp8_out=fp8_in(layers[0].qkv, layers[0].qkv_bias))
     attn_out = torch.empty(t, nh, d, dtype=model.dtype, device=model.device)
-    for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
-        qkv = proj(x, layer.qkv, layer.qkv_bias)                                   # [T, (nh+2kvh)*d]
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+        qkv, scales = project(x, layer.qkv, layer.qkv_bias, proj, model.dtype)   # [T, (nh+2kvh)*d]
         # One kernel: Qwen3's per-head q/k RMSNorm (if any), RoPE in place, K/V into the cache.
         qkv_prep_(qkv, positions, cos, sin, kv_cache, attn.slot_mapping, nh, kvh, d,
-                  q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
+                  q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps, in_scales=scales)
         q = qkv[:, :nh * d].view(t, nh, d)
         paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
                         attn.max_query_len, model.scale, out=attn_out,
                         sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
-        o = model.reduce(proj_gemv(attn_out.view(t, nh * d), layer.o, layer.o_bias))   # M = 1: gemv.py
-        x = add_rms_norm(o, layer.post_norm, eps, residual=residual)                # residual += o
-        gate_up = proj(x, layer.gate_up, layer.gate_up_bias)                        # [T, 2I]
-        mlp = model.reduce(proj_gemv(silu_mul(gate_up), layer.down, layer.down_bias))
-        next_norm = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
-        x = add_rms_norm(mlp, next_norm, eps, residual=residual)                    # residual += mlp
+        a = attn_out.view(t, nh * d)
+        if fp8_in(layer.o, layer.o_bias, row_parallel=True):
+            a = quantize_rows(a)
+        o, scales = project(a, layer.o, layer.o_bias, proj_gemv, model.dtype)      # M = 1: gemv.py
+        x = add_rms_norm(model.reduce(o), layer.post_norm, eps, residual=residual,  # residual += o
+                         in_scales=scales, fp8_out=fp8_in(layer.gate_up, layer.gate_up_bias))
+        gate_up, scales = project(x, layer.gate_up, layer.gate_up_bias, proj, model.dtype)   # [T, 2I]
+        m = silu_mul(gate_up, in_scales=scales, fp8_out=fp8_in(layer.down, layer.down_bias, row_parallel=True))
+        mlp, scales = project(m, layer.down, layer.down_bias, proj_gemv, model.dtype)
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        x = add_rms_norm(model.reduce(mlp), nxt.input_norm if nxt else model.final_norm, eps,
+                         residual=residual, in_scales=scales,                      # residual += mlp
+                         fp8_out=nxt is not None and fp8_in(nxt.qkv, nxt.qkv_bias))
     return x
 
 
