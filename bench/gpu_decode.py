@@ -212,7 +212,9 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
     inflight: list = []
     depth = 2 if pipelined else 1
     wired = ProtoRunner(runner)
-    t0 = time.perf_counter()
+    decode_gaps: list[float] = []    # time between consecutive results, by the step's kind
+    prefill_gaps: list[float] = []
+    t0 = last_done = time.perf_counter()
     while waiting or running or inflight:
         if (waiting or running) and len(inflight) < depth and time.perf_counter() - t0 < time_cap_s:
             plan = pb.step.StepPlan(step_id=steps, finished_ids=finished)
@@ -235,20 +237,28 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             for rid in [r for r, st in running.items() if st[0] >= out_len]:
                 free += running.pop(rid)[1]   # reused only by later steps: stream order keeps it safe
                 finished.append(rid)
-            inflight.append(wired.submit(plan))
+            inflight.append((wired.submit(plan), len(plan.new_requests) > 0))
             steps += 1
             if len(inflight) < depth:
                 continue
         if not inflight:
             break
-        res = checked(wired.collect(inflight.pop(0)))
+        pending, has_prefill = inflight.pop(0)
+        res = checked(wired.collect(pending))
         out_tokens += sum(len(o.token_ids) for o in res.outputs)
+        now = time.perf_counter()
+        (prefill_gaps if has_prefill else decode_gaps).append(now - last_done)
+        last_done = now
     wall = time.perf_counter() - t0
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
     return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
             "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget, "pipelined": pipelined,
             "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
-            "steps": steps, "prefill_steps": prefill_steps, "max_running": max_batch}
+            "steps": steps, "prefill_steps": prefill_steps, "max_running": max_batch,
+            # Where the wall time went: results of steps without / with prompt tokens.
+            "decode_step_s_total": sum(decode_gaps), "prefill_step_s_total": sum(prefill_gaps),
+            "decode_step_ms_median": statistics.median(decode_gaps) * 1e3 if decode_gaps else None,
+            "decode_step_ms_p90": sorted(decode_gaps)[int(0.9 * len(decode_gaps))] * 1e3 if decode_gaps else None}
 
 
 def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, path: Path | None) -> list:

@@ -13,6 +13,8 @@ Device buffers (N = max_num_tokens, S = max_num_seqs, MB = max blocks per sequen
       which the host has not read yet; -1: the host's id). One copy of 4T values per step.
   i32 [(S + 1) + S + S * MB]: query start locations, seq lens, block tables (row stride MB);
       a step copies the prefix up to its last table row.
+      A mixed step (decodes and prompt chunks) adds its sequence ids after them, decodes first
+      (the two attention launches' seq_ids), in the same copy.
   prev_tokens [S] long: the sampler writes each step's ids here (runner.py's overlap).
 
 Staging is double-buffered: with step overlap the host fills step N+1's inputs while step N may
@@ -49,7 +51,7 @@ class GpuExecutor:
         self.max_blocks = -(-model.max_model_len // block_size)
         dev = model.device
         s, mb = max_num_seqs, self.max_blocks
-        self.i64 = torch.zeros(4 * max_num_tokens, dtype=torch.long, device=dev)
+        self.i64 = torch.zeros(4 * max_num_tokens + max_num_seqs, dtype=torch.long, device=dev)
         self.prev_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
         self.i32 = torch.zeros(2 * s + 1 + s * mb, dtype=torch.int32, device=dev)
         self.qsl = self.i32[:s + 1]
@@ -68,9 +70,10 @@ class GpuExecutor:
 
     # ---- inputs ---------------------------------------------------------------------------
     def _stage(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule], pad_to: int = 0,
-               src: list[int] | None = None) -> int:
+               src: list[int] | None = None, seq_order: np.ndarray | None = None) -> int:
         """Fill a pinned buffer set and copy it to the device (async, stream-ordered) -> T, the
-        row length of this step's i64 layout (tokens, or the padded graph batch)."""
+        row length of this step's i64 layout (tokens, or the padded graph batch). seq_order: the
+        sequence ids to stage after the four rows (a mixed step's decodes, then the rest)."""
         t, n = len(ids), len(seqs)
         bs = self.block_size
         st = self._staging[self._turn]
@@ -93,8 +96,11 @@ class GpuExecutor:
             n64[2:4, t:pad_to] = -1
             st.n_lens[n:pad_to] = 0
             st.n_qsl[n + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - n)
+        n_ids = 0 if seq_order is None else len(seq_order)
+        if n_ids:
+            st.n64[4 * toks:4 * toks + n_ids] = seq_order
         # Contiguous prefixes: pinned -> device stays asynchronous.
-        self.i64[:4 * toks].copy_(st.h64[:4 * toks], non_blocking=True)
+        self.i64[:4 * toks + n_ids].copy_(st.h64[:4 * toks + n_ids], non_blocking=True)
         used32 = 2 * self.max_seqs + 1 + rows * self.max_blocks
         self.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
         st.record()
@@ -137,9 +143,20 @@ class GpuExecutor:
             graph, logits = entry
             graph.replay()
             return logits[:n], None
-        self._stage(ids, positions, seqs, src=src)
+        counts = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=n)
+        ones = counts == 1
+        n_dec = int(ones.sum())
+        mixed = 0 < n_dec < n
+        order = np.concatenate([np.flatnonzero(ones), np.flatnonzero(~ones)]) if mixed else None
+        self._stage(ids, positions, seqs, src=src, seq_order=order)
         use_src = src is not None
-        hidden = self._forward(t, n, max(s.num_scheduled_tokens for s in seqs), use_src)   # [T, H]
+        attn = self._attn(t, n, int(counts.max()))
+        if mixed:   # two attention launches: decode tiles for the decodes (see llama_triton.attend)
+            base = 4 * t
+            attn.decode_ids, attn.prefill_ids = self.i64[base:base + n_dec], self.i64[base + n_dec:base + n]
+            attn.max_query_len = int(counts[~ones].max())
+            attn.decode_splits = decode_splits(n_dec, self.model.cfg.num_kv_heads, self.num_sms)
+        hidden = self._forward(t, n, attn, use_src)   # [T, H]
         kept = hidden if keep_hidden else None
         if not sample_rows:
             return None, kept
@@ -147,10 +164,11 @@ class GpuExecutor:
         last = hidden if rows is None else hidden.index_select(0, rows)
         return compute_logits_triton(self.model, last), kept
 
-    def _forward(self, t: int, n: int, max_query_len: int, use_src: bool = True) -> torch.Tensor:
-        # Decode graphs always resolve ids through the src row (a replay cannot choose).
+    def _forward(self, t: int, n: int, attn: KernelAttnInputs | None = None, use_src: bool = True) -> torch.Tensor:
+        """Decode graphs (attn None: a decode-only step of n rows) always resolve ids through the
+        src row (a replay cannot choose)."""
         return forward_triton(self.model, self._row(0, t), self._row(1, t),
-                              self._attn(t, n, max_query_len), self.kv_caches,
+                              attn if attn is not None else self._attn(t, n, 1), self.kv_caches,
                               self._row(3, t) if use_src else None, self.prev_tokens)
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -159,13 +177,13 @@ class GpuExecutor:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
             for _ in range(2):
-                compute_logits_triton(self.model, self._forward(b, b, 1))
+                compute_logits_triton(self.model, self._forward(b, b))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = compute_logits_triton(self.model, self._forward(b, b, 1))
+            logits = compute_logits_triton(self.model, self._forward(b, b))
         self.graphs[b] = (graph, logits)
         log.debug("captured decode CUDA graph for batch %d", b)
         return graph, logits

@@ -103,7 +103,7 @@ class VerifyGraphs:
         dest = self._stage(ids, positions, seqs, src, b, q)
         entry = self.graphs.get(key)
         if entry is None:   # the same layout run eagerly (the CPU twin in tests)
-            logits = compute_logits_triton(self.ex.model, self.ex._forward(b * q, b, q))
+            logits = compute_logits_triton(self.ex.model, self.ex._forward(b * q, b, self.ex._attn(b * q, b, q)))
         else:
             graph, logits = entry
             graph.replay()
@@ -116,13 +116,13 @@ class VerifyGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                compute_logits_triton(ex.model, ex._forward(b * q, b, q))
+                compute_logits_triton(ex.model, ex._forward(b * q, b, ex._attn(b * q, b, q)))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if ex.pool is None:
             ex.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=ex.pool):
-            logits = compute_logits_triton(ex.model, ex._forward(b * q, b, q))
+            logits = compute_logits_triton(ex.model, ex._forward(b * q, b, ex._attn(b * q, b, q)))
         self.graphs[(b, q)] = (graph, logits)
 
     def capture_all(self) -> float:

@@ -71,6 +71,27 @@ def test_paged_attention_matches_reference_on_ragged_batch(nh, kvh, dtype):
     assert rel_err(out, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_a_mixed_step_in_two_launches_by_sequence_equals_one_launch(kv_dtype):
+    """seq_ids: decodes (interleaved with prompt chunks, as the runner orders new requests before
+    cached ones) with decode tiles and KV splits, the chunks with prefill tiles, into one output."""
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    nh, kvh, d, bs, nb = 6, 2, 32, 16, 40
+    specs = [(0, 21), (36, 1), (32, 9), (15, 1), (50, 1)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    t = sum(s for _, s in specs)
+    cache = torch.randn(2, nb, bs, kvh, d).to(kv_dtype)
+    q = torch.randn(t, nh, d)
+    whole = ka.paged_attention(q, cache, tables, qsl, lens, 21, d ** -0.5)
+    out = torch.full_like(whole, float("nan"))
+    ka.paged_attention(q, cache, tables, qsl, lens, 1, d ** -0.5, out=out, num_splits=4,
+                       seq_ids=torch.tensor([1, 3, 4]))
+    ka.paged_attention(q, cache, tables, qsl, lens, 21, d ** -0.5, out=out, seq_ids=torch.tensor([0, 2]))
+    assert not out.isnan().any(), "every row written by one of the two launches"
+    assert rel_err(out, whole) < 1e-5
+
+
 def test_paged_attention_decode_only_with_small_blocks_and_padding_rows():
     """block_size 4 (a tile spans many blocks) and a CUDA-graph padding row (seq_len 0)."""
     rng = random.Random(3)
@@ -180,7 +201,8 @@ def reference_and_kernel_runs(model, kv_cache_dtype=None):
     from services.worker.wire import ProtoRunner
     from tests.worker_driver import MiniScheduler
 
-    prompts = [[5, 9, 11, 40, 7, 3, 22, 61, 17], [8, 8, 30]]
+    # The short prompt decodes while the long one is still chunked: mixed steps (two attention launches).
+    prompts = [[8, 8, 30], [5, 9, 11, 40, 7, 3, 22, 61, 17, 4, 13, 50]]
     outs = []
     for kernels in (False, True):
         runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=4,

@@ -60,7 +60,7 @@ def quantize_fp8_e4m3(x, scale):
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, o_ptr, part_o_ptr, part_ml_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    block_tables_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,
     sm_scale_log2, v_scale,               # softmax scale * log2(e) * k_scale; the fp8 cache's V scale
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,      # cache strides: block, slot in block, kv head (d is 1)
@@ -70,8 +70,12 @@ def _paged_attn_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP16_DOTS: tl.constexpr,              # fp8 cache, 16-bit q: both dots in fp16 (see paged_attention)
+    HAS_SEQ_IDS: tl.constexpr,            # grid axis 0 walks seq_ids (a subset of the batch's sequences)
 ):
-    seq = tl.program_id(0)
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int32)
+    else:
+        seq = tl.program_id(0)
     tile = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     kvh = tl.program_id(2)
@@ -184,7 +188,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     block_m: int | None = None, block_n: int | None = None,
                     num_splits: int = 1, num_warps: int | None = None,
                     num_stages: int | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, nh, d] (row stride free, head dim contiguous); kv_cache: [2, NB, BS, kvh, d];
     block_tables: [S, max_blocks] int32; query_start_loc: [S + 1] int32 (cumulative query
     lengths); seq_lens: [S] int32 (context incl. this step). Returns o [T, nh, d].
@@ -194,6 +198,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     `num_splits` > 1 (decode batches only: max_query_len 1) splits each sequence's keys over that
     many programs and combines them in a second kernel, so small batches still fill the GPU.
     An fp8 cache holds K / k_scale and V / v_scale (write_kv); 1.0 leaves other caches as they were.
+    `seq_ids` (int tensor): attend for these sequences of the batch only (the others' rows of `out`
+    are left as they are), e.g. a mixed step's decodes with decode tiles and its prompt chunks with
+    prefill tiles, in two launches; max_query_len is then the largest among them.
     With an fp8 cache and a bf16/fp16 q both dots run in fp16: e4m3 -> fp16 is one cvt per two
     values on Hopper, while e4m3 -> bf16 goes through fp32 and made the kernel slower than a bf16
     cache (H200, batch 256 x 1,536 tokens, Llama-3-8B heads: bf16 cache 382 us/layer, fp8 via bf16
@@ -202,7 +209,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     t, nh, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     g = nh // kvh
-    num_seqs = block_tables.shape[0]
+    num_seqs = block_tables.shape[0] if seq_ids is None else seq_ids.shape[0]
     if out is None:
         out = torch.empty(t, nh, d, dtype=q.dtype, device=q.device)
     if block_m is None:
@@ -235,13 +242,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     grid = (num_seqs, q_tiles * num_splits, kvh)
     _paged_attn_kernel[grid](
         q, out, part_o, part_ml, kc, vc, block_tables, query_start_loc, seq_lens,
+        seq_ids if seq_ids is not None else seq_lens,
         scale * _LOG2E * k_scale, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         sliding_window or 0,
         NUM_HEADS=nh, NUM_SPLITS=num_splits, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
-        FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16),
+        FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -36,6 +36,11 @@ class KernelAttnInputs:
     seq_lens: torch.Tensor          # [S] int32: context length incl. this step's tokens
     max_query_len: int              # sizes the grid (1 for decode-only steps)
     num_splits: int = 1             # split-KV programs per sequence (decode only)
+    # A mixed step: its one-token sequences attend in one launch with decode tiles (and
+    # decode_splits KV splits), the others in a second with prefill tiles (max_query_len theirs).
+    decode_ids: torch.Tensor | None = None
+    prefill_ids: torch.Tensor | None = None
+    decode_splits: int = 1
 
 
 # With FP8 weights and >= 2 rows: producers quantise, consumers scale (see forward_triton). False:
@@ -60,6 +65,21 @@ def project(x, w, bias: torch.Tensor | None, plain, dtype: torch.dtype):
     if isinstance(x, tuple):
         return unscaled_mm(x, w, dtype), (x[1], w.scale)
     return plain(x, w, bias), None
+
+
+def attend(q: torch.Tensor, kv_cache: torch.Tensor, attn: KernelAttnInputs, scale: float, out: torch.Tensor,
+           window: int | None) -> None:
+    """Paged attention of one layer into `out`: one launch, or for a mixed step two (its decodes
+    with decode tiles, its prompt chunks with prefill tiles: a prefill-shaped grid would give each
+    decode as many mostly idle programs as the longest chunk has query tiles)."""
+    if attn.decode_ids is None:
+        paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, attn.max_query_len,
+                        scale, out=out, sliding_window=window, num_splits=attn.num_splits)
+        return
+    paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, 1, scale, out=out,
+                    sliding_window=window, num_splits=attn.decode_splits, seq_ids=attn.decode_ids)
+    paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, attn.max_query_len,
+                    scale, out=out, sliding_window=window, seq_ids=attn.prefill_ids)
 
 
 def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +122,7 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
         qkv_prep_(qkv, positions, cos, sin, kv_cache, attn.slot_mapping, nh, kvh, d,
                   q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps, in_scales=scales)
         q = qkv[:, :nh * d].view(t, nh, d)
-        paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
-                        attn.max_query_len, model.scale, out=attn_out,
-                        sliding_window=cfg.sliding_window, num_splits=attn.num_splits)
+        attend(q, kv_cache, attn, model.scale, attn_out, cfg.sliding_window)
         a = attn_out.view(t, nh * d)
         if fp8_in(layer.o, layer.o_bias, row_parallel=True):
             a = quantize_rows(a)
