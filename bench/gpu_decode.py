@@ -178,6 +178,57 @@ def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: i
             "step_ms_pipelined": pipelined_ms, "graph_replay_ms": replay_ms}
 
 
+def mixed_parts(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, prompts: int, prompt_len: int, gen,
+                reps: int = 5) -> dict:
+    """A chunked-prefill step mixed with decodes against its parts, one at a time (median of reps):
+    `batch` decode rows at context ~ctx alone (a graph replay), `prompts` whole prompts of
+    prompt_len alone (eager), and both in one step (eager). The issue's bar: mixed <= the sum."""
+    start = ctx - 3 * reps - 2
+    plan = reqs.plan()
+    ids = [f"m{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (start,), generator=gen).tolist(),
+                              block_ids=reqs.blocks(ctx + 1), num_computed_tokens=start - 1,
+                              num_scheduled_tokens=1, sampling=GREEDY)
+    run(runner, plan)
+    pos = [start]
+    from services.worker import gpu_exec
+    times: dict[str, list[float]] = {"decode": [], "prefill": [], "mixed": [], "mixed_one_launch": []}
+    for r in range(reps):
+        for kind in times:
+            gpu_exec.SPLIT_MIXED = kind != "mixed_one_launch"
+            plan = reqs.plan()
+            if kind != "prefill":
+                for rid in ids:
+                    plan.cached_requests.add(request_id=rid, num_computed_tokens=pos[0], num_scheduled_tokens=1)
+                pos[0] += 1
+            new = []
+            if kind != "decode":
+                for j in range(prompts):
+                    rid = f"mp{r}-{kind}-{j}"
+                    new.append(rid)
+                    plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (prompt_len,),
+                                                                                  generator=gen).tolist(),
+                                          block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len,
+                                          sampling=GREEDY)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            checked(run(runner, plan))
+            times[kind].append((time.perf_counter() - t0) * 1e3)
+            fin = reqs.plan()
+            fin.finished_ids.extend(new)
+            run(runner, fin)
+    gpu_exec.SPLIT_MIXED = True
+    done = reqs.plan()
+    done.finished_ids.extend(ids)
+    run(runner, done)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"batch": batch, "ctx": ctx, "prompts": prompts, "prompt_len": prompt_len,
+            **{f"{k}_ms": v for k, v in med.items()},
+            "mixed_over_sum": med["mixed"] / (med["decode"] + med["prefill"]),
+            "one_launch_over_sum": med["mixed_one_launch"] / (med["decode"] + med["prefill"])}
+
+
 def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -> dict:
     times = []
     for r in range(reps + 1):
@@ -258,7 +309,17 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             # Where the wall time went: results of steps without / with prompt tokens.
             "decode_step_s_total": sum(decode_gaps), "prefill_step_s_total": sum(prefill_gaps),
             "decode_step_ms_median": statistics.median(decode_gaps) * 1e3 if decode_gaps else None,
-            "decode_step_ms_p90": sorted(decode_gaps)[int(0.9 * len(decode_gaps))] * 1e3 if decode_gaps else None}
+            "decode_step_ms_pcts": _pcts(decode_gaps), "prefill_step_ms_pcts": _pcts(prefill_gaps),
+            "decode_steps_over_2x_median_s": sum(g for g in decode_gaps if g > 2 * statistics.median(decode_gaps))
+            if decode_gaps else None}
+
+
+def _pcts(xs: list[float]) -> dict | None:
+    """p10 / p50 / p90 / p99 / max of step intervals, in ms."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return {f"p{q}": s[min(len(s) - 1, int(q / 100 * len(s)))] * 1e3 for q in (10, 50, 90, 99)} | {"max": s[-1] * 1e3}
 
 
 def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, path: Path | None) -> list:

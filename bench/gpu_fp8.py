@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, cuda_time_ms, decode_steps,  # noqa: E402
-                        kv_runner, llama31_8b_config, offline)
+from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
+                        llama31_8b_config, mixed_parts, offline)
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from services.worker.models import llama_triton  # noqa: E402
 from services.worker.models.fp8 import FP8, Fp8Weight, quantize_layers, quantize_weight  # noqa: E402
@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--kv-gib", type=float, default=64.0)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--weights", default="bf16,fp8")
+    p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
     a = p.parse_args()
     out = Path(a.out)
     res: dict = {"bench": "gpu_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -127,6 +128,12 @@ def main() -> int:
                         res["decode"].append(r)
                         print("decode", r, flush=True)
                         save()
+                if a.mixed:
+                    r = mixed_parts(runner, Reqs(runner.num_blocks), 256, 1536, 4, 1024, gen)
+                    r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
+                    res.setdefault("mixed", []).append(r)
+                    print("mixed", r, flush=True)
+                    save()
                 if mode in wanted:
                     r = offline(runner, a.requests, 256, 1024, 1024, 8192, gen, a.offline_cap_s)
                     r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)

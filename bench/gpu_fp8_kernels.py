@@ -251,12 +251,52 @@ def profile(res: dict, save) -> None:
         save()
 
 
+def attn_sweep(res: dict, save) -> None:
+    """Decode attention of one Llama-3-8B layer (32 q heads, 8 KV heads, d 128) over random
+    1,536-token contexts in random blocks of 16, per KV dtype and batch, over tile configs."""
+    from services.worker.kernels.attention import decode_splits, paged_attention
+    g = torch.Generator(device="cuda").manual_seed(9)
+    rows = []
+    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for b in (64, 256):
+            ctx, bs = 1536, 16
+            nb = b * ctx // bs
+            cache = torch.randn(2, nb, bs, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).to(kv_dtype)
+            tables = torch.randperm(nb, device="cuda", generator=g).to(torch.int32).view(b, ctx // bs)
+            qsl = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+            lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+            q = torch.randn(b, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            splits = decode_splits(b, 8)
+            base = safe(lambda: graph_us([lambda: paged_attention(q, cache, tables, qsl, lens, 1, 0.088, out=out,
+                                                                  num_splits=splits)], 20))
+            nbytes = cache.numel() * cache.element_size()
+            r = {"kv": str(kv_dtype), "batch": b, "default_us": base, "kv_bytes": nbytes,
+                 "default_TBps": nbytes / (base / 1e6) / 1e12 if isinstance(base, float) else None, "configs": []}
+            for bn in (32, 64, 128):
+                for warps in (1, 2, 4, 8):
+                    for stages in (2, 3, 4, 6, 8):
+                        us = safe(lambda: graph_us([lambda: paged_attention(
+                            q, cache, tables, qsl, lens, 1, 0.088, out=out, num_splits=splits, block_n=bn,
+                            num_warps=warps, num_stages=stages)], 10))
+                        r["configs"].append({"block_n": bn, "warps": warps, "stages": stages, "us": us})
+            ok = [c for c in r["configs"] if isinstance(c["us"], float)]
+            r["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+            rows.append(r)
+            print("attn", {k: v for k, v in r.items() if k != "configs"}, flush=True)
+            res["attn_sweep"] = rows
+            save()
+            del cache
+            torch.cuda.empty_cache()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_fp8_kernels.json")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--attn", action="store_true", help="the decode attention tile sweep")
     a = p.parse_args()
     res: dict = {"bench": "gpu_fp8_kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -266,6 +306,8 @@ def main() -> int:
         out.write_text(json.dumps(res, indent=1))
     res["copy_bytes_per_s"] = bw = copy_bw()
     print("copy TB/s", bw / 1e12, flush=True)
+    if a.attn:
+        attn_sweep(res, save)
     if a.profile:
         profile(res, save)
     res["shapes"] = {}

@@ -39,6 +39,9 @@ from services.worker.models.llama_triton import KernelAttnInputs, compute_logits
 
 log = logging.getLogger(__name__)
 
+# Mixed steps attend in two launches (decodes, then prompt chunks: llama_triton.attend); False: one
+# prefill-shaped launch for all (bench/gpu_decode.mixed_parts times both in one run).
+SPLIT_MIXED = True
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -146,7 +149,7 @@ class GpuExecutor:
         counts = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=n)
         ones = counts == 1
         n_dec = int(ones.sum())
-        mixed = 0 < n_dec < n
+        mixed = SPLIT_MIXED and 0 < n_dec < n
         order = np.concatenate([np.flatnonzero(ones), np.flatnonzero(~ones)]) if mixed else None
         self._stage(ids, positions, seqs, src=src, seq_order=order)
         use_src = src is not None
