@@ -131,22 +131,46 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, stride_x, stride_out,
-                     IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
+def _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED: tl.constexpr):
+    """silu(gate) * up of one row's columns `cols`, fp32. IN_SCALED: x is an unscaled FP8 product,
+    scaled here and rounded to x's dtype as the stored product would have been."""
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-    if IN_SCALED:   # an unscaled FP8 product: scaled and rounded as the stored product would be
+    if IN_SCALED:
         r = tl.load(rs_ptr + row)
         gate = (gate * r * tl.load(cs_ptr + cols, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
         up = (up * r * tl.load(cs_ptr + n_cols + cols, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    if OUT_FP8:   # one program holds the whole row (BLOCK >= n_cols)
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        _quantize_row_fp8(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, stride_x, stride_out,
+                     IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if OUT_FP8:
+        # One program per row, in chunks (a 14,336-wide row held whole spills registers): the
+        # row's absolute maximum first, then the chunks again (from L2), quantised with it.
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = cols < n_cols
+            y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+            amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
+        m = tl.max(amax, 0)
+        scale = tl.where(m > 0, m / 448.0, 1.0)
+        tl.store(qs_ptr + row, scale)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = cols < n_cols
+            y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+            q = quantize_fp8_e4m3(y, scale)
+            tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
     else:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -156,7 +180,7 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
 
     in_scales (row [T, 1], col [2I] float32): x is an unscaled FP8 product (x * row * col meant).
     fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token (one program per
-    row then holds the whole row)."""
+    row then walks it twice: its maximum, then the values)."""
     t, two_i = x.shape
     i = two_i // 2
     if fp8_out:
@@ -167,9 +191,10 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     if t == 0:
         return (out, qs) if fp8_out else out
     assert x.stride(1) == 1 and out.stride(1) == 1
-    block = triton.next_power_of_2(i) if fp8_out else min(block, triton.next_power_of_2(i))
+    block = min(2048 if fp8_out else block, triton.next_power_of_2(i))
     rs, cs = in_scales if in_scales is not None else (x, x)
-    _silu_mul_kernel[(t, triton.cdiv(i, block))](x, out, rs, cs, qs if fp8_out else x, i, x.stride(0), out.stride(0),
-                                                 IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
-                                                 num_warps=min(16, max(4, block // 1024)) if fp8_out else 4)
+    grid = (t, 1) if fp8_out else (t, triton.cdiv(i, block))
+    _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, i, x.stride(0), out.stride(0),
+                           IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
+                           num_warps=8 if fp8_out else 4)
     return (out, qs) if fp8_out else out
