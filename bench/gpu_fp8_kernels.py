@@ -251,14 +251,17 @@ def profile(res: dict, save) -> None:
         save()
 
 
-def attn_sweep(res: dict, save) -> None:
+KV_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+
+
+def attn_sweep(res: dict, save, batches=(64, 256), n_dtypes: int = 2, wide: bool = True) -> None:
     """Decode attention of one Llama-3-8B layer (32 q heads, 8 KV heads, d 128) over random
     1,536-token contexts in random blocks of 16, per KV dtype and batch, over tile configs."""
     from services.worker.kernels.attention import decode_splits, paged_attention
     g = torch.Generator(device="cuda").manual_seed(9)
     rows = []
-    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
-        for b in (64, 256):
+    for kv_dtype in KV_DTYPES[:n_dtypes]:
+        for b in batches:
             ctx, bs = 1536, 16
             nb = b * ctx // bs
             cache = torch.randn(2, nb, bs, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).to(kv_dtype)
@@ -268,14 +271,19 @@ def attn_sweep(res: dict, save) -> None:
             q = torch.randn(b, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
             out = torch.empty_like(q)
             splits = decode_splits(b, 8)
+            from services.worker.kernels import attention as ka
+            ka.HEADS_INNER = False
+            seqs_outer = safe(lambda: graph_us([lambda: paged_attention(q, cache, tables, qsl, lens, 1, 0.088, out=out,
+                                                                        num_splits=splits)], 20))
+            ka.HEADS_INNER = True
             base = safe(lambda: graph_us([lambda: paged_attention(q, cache, tables, qsl, lens, 1, 0.088, out=out,
                                                                   num_splits=splits)], 20))
             nbytes = cache.numel() * cache.element_size()
-            r = {"kv": str(kv_dtype), "batch": b, "default_us": base, "kv_bytes": nbytes,
+            r = {"kv": str(kv_dtype), "batch": b, "default_us": base, "seqs_outer_grid_us": seqs_outer, "kv_bytes": nbytes,
                  "default_TBps": nbytes / (base / 1e6) / 1e12 if isinstance(base, float) else None, "configs": []}
             for bn in (32, 64, 128):
-                for warps in (1, 2, 4, 8):
-                    for stages in (2, 3, 4, 6, 8):
+                for warps in ((1, 2, 4, 8) if wide else (2, 4)):
+                    for stages in ((2, 3, 4, 6, 8) if wide else (3, 6)):
                         us = safe(lambda: graph_us([lambda: paged_attention(
                             q, cache, tables, qsl, lens, 1, 0.088, out=out, num_splits=splits, block_n=bn,
                             num_warps=warps, num_stages=stages)], 10))
@@ -297,6 +305,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--attn", action="store_true", help="the decode attention tile sweep")
+    p.add_argument("--attn-quick", action="store_true", help="fp8 cache, batches 64 and 256, 12 configs")
     a = p.parse_args()
     res: dict = {"bench": "gpu_fp8_kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -308,6 +317,8 @@ def main() -> int:
     print("copy TB/s", bw / 1e12, flush=True)
     if a.attn:
         attn_sweep(res, save)
+    if a.attn_quick:
+        attn_sweep(res, save, batches=(64, 256), n_dtypes=1, wide=False)
     if a.profile:
         profile(res, save)
     res["shapes"] = {}
