@@ -13,6 +13,7 @@ decode and offline measurements with a bf16 KV cache and again with an fp8 one.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -265,6 +266,15 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
     wired = ProtoRunner(runner)
     decode_gaps: list[float] = []    # time between consecutive results, by the step's kind
     prefill_gaps: list[float] = []
+    gc_pauses: list[tuple[int, float]] = []   # (generation, seconds) of every collection meanwhile
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses.append((info["generation"], time.perf_counter() - gc_start[0]))
+    gc.callbacks.append(on_gc)
     t0 = last_done = time.perf_counter()
     while waiting or running or inflight:
         if (waiting or running) and len(inflight) < depth and time.perf_counter() - t0 < time_cap_s:
@@ -301,6 +311,7 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
         (prefill_gaps if has_prefill else decode_gaps).append(now - last_done)
         last_done = now
     wall = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
     return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
             "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget, "pipelined": pipelined,
@@ -311,7 +322,11 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             "decode_step_ms_median": statistics.median(decode_gaps) * 1e3 if decode_gaps else None,
             "decode_step_ms_pcts": _pcts(decode_gaps), "prefill_step_ms_pcts": _pcts(prefill_gaps),
             "decode_steps_over_2x_median_s": sum(g for g in decode_gaps if g > 2 * statistics.median(decode_gaps))
-            if decode_gaps else None}
+            if decode_gaps else None,
+            "gc": {f"gen{g}": {"count": sum(1 for x, _ in gc_pauses if x == g),
+                               "total_s": sum(d for x, d in gc_pauses if x == g),
+                               "max_ms": max((d for x, d in gc_pauses if x == g), default=0.0) * 1e3} for g in (0, 1, 2)},
+            "gc_frozen_objects": gc.get_freeze_count()}
 
 
 def _pcts(xs: list[float]) -> dict | None:

@@ -16,6 +16,7 @@ Per-kernel timings of the projections: bench/gpu_fp8_kernels.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -80,6 +81,7 @@ def main() -> int:
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--weights", default="bf16,fp8")
     p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, as the worker does")
     a = p.parse_args()
     out = Path(a.out)
     res: dict = {"bench": "gpu_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -135,6 +137,11 @@ def main() -> int:
                     print("mixed", r, flush=True)
                     save()
                 if mode in wanted:
+                    # Warm-up (untimed): every step shape the run will see compiled and allocated once.
+                    offline(runner, 16, 8, 1024, 4, 8192, gen, 60.0)
+                    if a.gc_freeze:
+                        gc.collect()
+                        gc.freeze()
                     r = offline(runner, a.requests, 256, 1024, 1024, 8192, gen, a.offline_cap_s)
                     r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
                     res["offline"].append(r)

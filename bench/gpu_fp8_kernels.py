@@ -271,15 +271,10 @@ def attn_sweep(res: dict, save, batches=(64, 256), n_dtypes: int = 2, wide: bool
             q = torch.randn(b, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
             out = torch.empty_like(q)
             splits = decode_splits(b, 8)
-            from services.worker.kernels import attention as ka
-            ka.HEADS_INNER = False
-            seqs_outer = safe(lambda: graph_us([lambda: paged_attention(q, cache, tables, qsl, lens, 1, 0.088, out=out,
-                                                                        num_splits=splits)], 20))
-            ka.HEADS_INNER = True
             base = safe(lambda: graph_us([lambda: paged_attention(q, cache, tables, qsl, lens, 1, 0.088, out=out,
                                                                   num_splits=splits)], 20))
             nbytes = cache.numel() * cache.element_size()
-            r = {"kv": str(kv_dtype), "batch": b, "default_us": base, "seqs_outer_grid_us": seqs_outer, "kv_bytes": nbytes,
+            r = {"kv": str(kv_dtype), "batch": b, "default_us": base, "kv_bytes": nbytes,
                  "default_TBps": nbytes / (base / 1e6) / 1e12 if isinstance(base, float) else None, "configs": []}
             for bn in (32, 64, 128):
                 for warps in ((1, 2, 4, 8) if wide else (2, 4)):

@@ -15,6 +15,7 @@ import time
 
 import uvicorn
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common import telemetry
 from services.common import internal_tls, loops
 from services.common.grpc_server import bind, make_server
@@ -224,6 +225,7 @@ async def serve(config: GatewayConfig) -> int:
         health_server, hport = start_health_server(config.host, config.health_port, ["gateway", SERVICE_NAME],
                                                    vitals.verdict, config.internal_tls.server_credentials())
         print(f"gateway health on {config.host}:{hport}", flush=True)
+    freeze_startup_heap(log)
     tasks = [asyncio.create_task(uv.serve(sockets=[sock]), name="uvicorn"),
              asyncio.create_task(_readiness(gw, health, vitals, log), name="readiness")]
     if shared is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common import telemetry
 from services.common import internal_tls, procs
 from services.common.kv_blocks import add_kvstore_flag
@@ -102,6 +103,7 @@ async def serve(cfg: SchedulerServiceConfig) -> None:
     stop = asyncio.Event()
     # A hard exit only after the grace period the in-flight requests were promised.
     procs.install_stop_handlers(asyncio.get_running_loop(), stop, hard_exit_after_s=cfg.shutdown_grace_s + 10)
+    freeze_startup_heap(log)
     engine.vitals.loop_alive = True
     loop_task = asyncio.create_task(engine.run())
     loop_task.add_done_callback(lambda _: setattr(engine.vitals, "loop_alive", False))

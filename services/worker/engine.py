@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common import telemetry
 from services.common.procs import install_stop_handlers
 from services.worker import wire
@@ -217,6 +218,7 @@ class Engine:
     def run(self, on_ready: Callable[[], None], on_exit: Callable[[], None]) -> None:
         try:
             self.load()
+            freeze_startup_heap(log)   # the model, kernels and imports: no full collection walks them again
             on_ready()
             poller = zmq.Poller()
             poller.register(self.sock, zmq.POLLIN)

@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common import pb
 from services.common.ports import free_port
 from services.common.procs import die_with_parent
@@ -335,6 +336,7 @@ def follower_main(cfg: WorkerConfig, load_runner: Callable[[WorkerConfig, TpLink
     engine = Engine(cfg, None, lambda: load_runner(cfg, link), link)
     try:
         engine.load()
+        freeze_startup_heap(log)
         while (payload := link.recv()) is not None:
             if payload:
                 engine.handle(payload)

@@ -65,44 +65,6 @@ def test_fused_fp8_kernels_at_full_shapes():
     assert torch.equal(o1, o2) and torch.equal(r1, r2)
 
 
-def test_single_row_fused_fp8_step_equals_the_separate_kernels_in_bf16():
-    """Two layers of the 8B shape, FP8 weights: a decode row through the fused single-row path
-    (norms and SiLU·mul inside the GEMVs, residual adds in their epilogues) gives bit for bit the
-    hidden state of the separate kernels, in bf16."""
-    from services.worker.models import llama_triton
-    from services.worker.models.config import ModelConfig
-    from services.worker.models.fp8 import quantize_layers
-    from services.worker.models.llama import LayerWeights, LlamaModel
-    from services.worker.models.llama_triton import KernelAttnInputs, forward_triton
-    g = torch.Generator(device="cuda").manual_seed(3)
-    bf = torch.bfloat16
-
-    def w(*shape, std=0.02):
-        return torch.randn(*shape, generator=g, device="cuda", dtype=bf) * std
-    cfg = ModelConfig("llama", 1024, 4096, 14336, 2, 32, 8, 128, 1e-5, 500000.0, 4096, False)
-    layers = [LayerWeights(input_norm=1 + w(4096, std=0.1), qkv=w(6144, 4096), qkv_bias=None, o=w(4096, 4096),
-                           post_norm=1 + w(4096, std=0.1), gate_up=w(28672, 4096), down=w(4096, 14336)) for _ in range(2)]
-    model = LlamaModel(cfg, w(1024, 4096, std=1.0), layers, 1 + w(4096, std=0.1), w(1024, 4096), 4096)
-    quantize_layers(model.layers)
-    assert llama_triton.one_row_fused(model)
-    kv = [torch.randn(model.kv_cache_shape(8, 16), generator=g, device="cuda", dtype=bf) for _ in range(2)]
-    outs = []
-    for fused in (True, False):
-        llama_triton.FUSED_FP8 = fused
-        try:
-            caches = [c.clone() for c in kv]
-            attn = KernelAttnInputs(slot_mapping=torch.tensor([100], device="cuda"),
-                                    block_tables=torch.arange(8, dtype=torch.int32, device="cuda")[None],
-                                    query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
-                                    seq_lens=torch.tensor([101], dtype=torch.int32, device="cuda"), max_query_len=1,
-                                    num_splits=4)
-            outs.append(forward_triton(model, torch.tensor([7], device="cuda"), torch.tensor([100], device="cuda"),
-                                       attn, caches))
-        finally:
-            llama_triton.FUSED_FP8 = True
-    assert torch.equal(outs[0], outs[1])
-
-
 def _all_logits(model, ids: list[int]) -> torch.Tensor:
     """float32 logits [T, V] of one sequence through the served Triton forward (eager prefill)."""
     from services.worker.models.llama_triton import KernelAttnInputs, compute_logits_triton, forward_triton

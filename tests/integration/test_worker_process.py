@@ -67,12 +67,14 @@ class WorkerConn:
 
 
 @pytest.fixture(scope="module")
-def worker(smollm2_dir):
+def worker(smollm2_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "services.worker", "--model", str(smollm2_dir),
            "--zmq-addr", "tcp://127.0.0.1:0", "--grpc-port", "0", "--max-model-len", "1024",
            "--num-kv-blocks", str(NUM_BLOCKS), "--served-model-name", "smol"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            preexec_fn=die_with_parent)
+    log_path = tmp_path_factory.mktemp("worker-log") / "stderr.log"
+    log_file = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=log_file,
+                            text=True, preexec_fn=die_with_parent)
     try:
         deadline, line = time.monotonic() + 60, ""
         while "worker listening" not in line:
@@ -85,6 +87,7 @@ def worker(smollm2_dir):
         asyncio.run(wait_ready(grpc_addr, "worker", timeout_s=120))
         conn = WorkerConn(zmq_addr, grpc_addr, pb.step.WorkerInfo())
         conn.info = conn.hello()
+        conn.log_path = log_path
         yield conn
         conn.sock.close(0)
         proc.send_signal(signal.SIGTERM)
@@ -93,12 +96,20 @@ def worker(smollm2_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log_file.close()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
     from tokenizers import Tokenizer
     return Tokenizer.from_file(os.path.join(smollm2_dir, "tokenizer.json"))
+
+
+def test_the_worker_freezes_its_startup_heap_before_it_is_ready(worker):
+    """gc.freeze() once the model is loaded (services/common/gc_heap.py): full collections never
+    walk the start-up objects again."""
+    m = re.search(r"froze (\d+) start-up objects", worker.log_path.read_text())
+    assert m and int(m.group(1)) > 10_000
 
 
 def test_hello_reports_the_model_and_cache(worker, smollm2_dir):

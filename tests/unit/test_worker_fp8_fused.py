@@ -98,29 +98,6 @@ def hidden_states(model, ids: list[int], kv=None, start: int = 0) -> torch.Tenso
     return forward_triton(model, torch.tensor(ids), torch.arange(start, start + n), attn, kv)
 
 
-def test_the_single_row_step_folds_norms_and_silu_into_the_gemvs_with_the_same_values(tmp_path, monkeypatch):
-    from services.worker.kernels import fp8 as fp8_kernels
-    from services.worker.models import load_model
-    from services.worker.models import llama_triton
-    from tests.unit.tiny_llama import make_tiny_llama
-
-    model = load_model(make_tiny_llama(tmp_path, seed=13), quantization="fp8")
-    assert llama_triton.one_row_fused(model)
-    calls = []
-    real = fp8_kernels.gemv_fp8
-    monkeypatch.setattr(llama_triton, "gemv_fp8", lambda *a, **k: calls.append(k) or real(*a, **k))
-    outs = []
-    for fused in (True, False):
-        monkeypatch.setattr(llama_triton, "FUSED_FP8", False)
-        kv = [torch.zeros(model.kv_cache_shape(4, 4), dtype=model.dtype) for _ in model.layers]
-        hidden_states(model, [5, 17, 33, 2, 61], kv)             # the same prompt KV, then two decodes
-        monkeypatch.setattr(llama_triton, "FUSED_FP8", fused)
-        outs.append([hidden_states(model, [8], kv, 5), hidden_states(model, [40], kv, 6)])
-    assert sum(1 for k in calls if k.get("gated")) == 2 * len(model.layers), "the fused path ran"
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_the_fused_forward_equals_one_fp8_linear_per_projection(tmp_path, monkeypatch):
     from services.worker.attention import SeqSchedule, build_attn_metadata
     from services.worker.models import load_model

@@ -5,7 +5,7 @@ KV cache of one layer: `[2, num_blocks, block_size, kvh, d]` (attention.py's lay
 at absolute position `pos` of sequence s lives at slot
 `block_tables[s, pos // block_size] * block_size + pos % block_size`.
 
-Grid: (kvh, q_tiles, num_seqs) (HEADS_INNER; else (num_seqs, q_tiles, kvh)). A program takes BLOCK_Q query tokens of one sequence and the
+Grid: (num_seqs, q_tiles, kvh). A program takes BLOCK_Q query tokens of one sequence and the
 G = nh // kvh query heads that share one KV head, as one [BLOCK_M = BLOCK_Q * G, d] tile (row r is
 token r // G, head r % G), so K/V are read once per group, and walks the keys in BLOCK_N tiles with
 an online softmax (fp32). Tiles past a sequence's query length exit at once; for decode-only
@@ -26,8 +26,6 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-# Grid order (see paged_attention); bench/gpu_fp8_kernels.py times both in one run.
-HEADS_INNER = True
 FP8_E4M3_MAX = 448.0
 # KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -72,21 +70,15 @@ def _paged_attn_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP16_DOTS: tl.constexpr,              # fp8 cache, 16-bit q: both dots in fp16 (see paged_attention)
-    HAS_SEQ_IDS: tl.constexpr,            # the sequence axis walks seq_ids (a subset of the batch's sequences)
-    HEADS_INNER: tl.constexpr,            # grid (kvh, tiles, seqs): a sequence's KV heads run side by side
+    HAS_SEQ_IDS: tl.constexpr,            # grid axis 0 walks seq_ids (a subset of the batch's sequences)
 ):
-    if HEADS_INNER:
-        s_pid = tl.program_id(2)
-        kvh = tl.program_id(0)
-    else:
-        s_pid = tl.program_id(0)
-        kvh = tl.program_id(2)
     if HAS_SEQ_IDS:
-        seq = tl.load(seq_ids_ptr + s_pid).to(tl.int32)
+        seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int32)
     else:
-        seq = s_pid
+        seq = tl.program_id(0)
     tile = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)          # context length incl. this step's tokens
@@ -247,9 +239,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_ml = torch.empty(t, num_splits, nh, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    # Programs launch with axis 0 fastest: with the KV heads there, the programs reading one token
-    # row's heads (128-byte pieces of one 1 KiB row, Llama-3-8B) are in flight together.
-    grid = (kvh, q_tiles * num_splits, num_seqs) if HEADS_INNER else (num_seqs, q_tiles * num_splits, kvh)
+    grid = (num_seqs, q_tiles * num_splits, kvh)
     _paged_attn_kernel[grid](
         q, out, part_o, part_ml, kc, vc, block_tables, query_start_loc, seq_lens,
         seq_ids if seq_ids is not None else seq_lens,
@@ -260,7 +250,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_HEADS=nh, NUM_SPLITS=num_splits, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
-        HEADS_INNER=HEADS_INNER,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -79,32 +79,18 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     return (8, 1024, 4, 2) if n <= 4096 else (16, 512, 8, 2)
 
 
-def gemv_fp8(x: torch.Tensor | None, w: Fp8Weight, bias: torch.Tensor | None = None,
-             config: tuple[int, int, int, int] | None = None, *,
-             norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gated: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [1, K] (bf16), w FP8 [N, K] -> [1, N] in x's dtype.
-
-    Fused with the single-row layer around it (gemv.gemv_kernel): `norm` = (residual [1, K],
-    weight [K], eps) makes the input rms_norm(residual) * weight (x unused: None); `gated` takes
-    w as [gate | up] (2N rows) and returns silu(gate) * up [1, N]; `residual` [1, N]: residual +=
-    the product, in place, and returns None."""
+def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+             config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] (bf16), w FP8 [N, K] -> [1, N] in x's dtype."""
     n, k = w.weight.shape
-    res = norm[0] if norm is not None else residual
-    src = x if x is not None else res
-    assert src.shape == (1, k) and src.stride(1) == 1
-    if gated:
-        n //= 2
-    y = torch.empty(1, n, dtype=src.dtype, device=src.device) if residual is None else residual
+    assert x.shape == (1, k) and x.stride(1) == 1
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = config or gemv_config(n, k)
     bk = min(bk, triton.next_power_of_2(k))
-    gemv_kernel[(triton.cdiv(n, bn),)](src, w.weight, w.scale, bias if bias is not None else w.scale, y, n, k,
-                                       w.weight.stride(0), res if res is not None else y,
-                                       norm[1] if norm is not None else w.scale, norm[2] if norm is not None else 0.0,
-                                       HAS_SCALE=True, HAS_BIAS=bias is not None, NORM_IN=norm is not None,
-                                       RES_OUT=residual is not None, GATED=gated, BLOCK_N=bn, BLOCK_K=bk,
-                                       num_warps=warps, num_stages=stages)
-    return None if residual is not None else y
+    gemv_kernel[(triton.cdiv(n, bn),)](x, w.weight, w.scale, bias if bias is not None else w.scale, y, n, k,
+                                       w.weight.stride(0), HAS_SCALE=True, HAS_BIAS=bias is not None, BLOCK_N=bn,
+                                       BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y
 
 
 W8A8_MIN_ROWS = 2   # from this many rows on, activations are quantised too (bench/gpu_fp8.py measures)

@@ -20,66 +20,25 @@ ENABLED = True   # bench/gpu_decode.py turns it off to time cuBLAS in the same r
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, res_ptr, nw_ptr, eps,
-                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, RES_OUT: tl.constexpr,
-                GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py).
-
-    The single-row decoder layer's neighbours, fused (kernels/fp8.gemv_fp8_layer):
-    - NORM_IN: x is rms_norm(res) * nw, computed here from the residual row res (HF rounding:
-      normalised in fp32, cast to res's dtype, times the weight, cast again);
-    - GATED: W is [gate | up] with 2N rows; y[n] = silu(gate[n]) * up[n] (each rounded to y's dtype
-      first, as the separate SiLU·mul kernel reads them);
-    - RES_OUT: res += y (y rounded to res's dtype first), nothing else is written."""
+def gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    if NORM_IN:
-        sq = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            r = tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            sq += r * r
-        inv = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if GATED:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM_IN:
-            r = tl.load(res_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-            y_n = (r * inv).to(res_ptr.dtype.element_ty).to(tl.float32)
-            nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (y_n * nw).to(res_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-        if GATED:
-            w_up = tl.load(w_ptr + (rn + N)[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                           mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_up += w_up.to(tl.float32) * x[None, :]
+        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     if HAS_SCALE:
         y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    if GATED:
-        up = tl.sum(acc_up, 1)
-        if HAS_SCALE:
-            up *= tl.load(s_ptr + N + rn, mask=n_ok, other=0.0)
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
-        g = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        u = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
-    if RES_OUT:
-        o = y.to(res_ptr.dtype.element_ty).to(tl.float32)
-        new = tl.load(res_ptr + rn, mask=n_ok, other=0.0).to(tl.float32) + o
-        tl.store(res_ptr + rn, new.to(res_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -90,9 +49,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = config or _CONFIGS.get(k, _DEFAULT)
     bk = min(bk, triton.next_power_of_2(k))
-    gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, bias if bias is not None else w, y, n, k, w.stride(0), x, x, 0.0,
-                                       HAS_SCALE=False, HAS_BIAS=bias is not None, NORM_IN=False, RES_OUT=False,
-                                       GATED=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, bias if bias is not None else w, y, n, k, w.stride(0),
+                                       HAS_SCALE=False, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+                                       num_warps=warps, num_stages=stages)
     return y
 
 

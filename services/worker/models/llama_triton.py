@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from services.worker.kernels.attention import paged_attention
 from services.worker.kernels.embedding import embed_tokens
 from services.worker.kernels import fp8 as fp8_kernels
-from services.worker.kernels.fp8 import fp8_linear, gemv_fp8, quantize_rows, unscaled_mm
+from services.worker.kernels.fp8 import fp8_linear, quantize_rows, unscaled_mm
 from services.worker.kernels.gemv import linear
 from services.worker.kernels.elementwise import add_rms_norm, silu_mul
 from services.worker.kernels.qkv_prep import qkv_prep_
@@ -106,8 +106,6 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
     else:
         residual = embed_tokens(model.embed, input_ids, prev_src, prev_tokens)
     layers = model.layers
-    if t == 1 and one_row_fused(model):
-        return _forward_one_row_fp8(model, residual, positions, attn, kv_caches, cos, sin)
 
     def fp8_in(w, bias, row_parallel: bool = False) -> bool:
         """The projection takes per-token FP8 input from its producer and leaves its scales to its
@@ -139,34 +137,6 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
                          residual=residual, in_scales=scales,                      # residual += mlp
                          fp8_out=nxt is not None and fp8_in(nxt.qkv, nxt.qkv_bias))
     return x
-
-
-def one_row_fused(model: LlamaModel) -> bool:
-    """A single-row step with every projection in FP8 runs `_forward_one_row_fp8`: at batch 1 a
-    step is ~320 short kernels, and the norms and SiLU·mul fold into the GEMVs around them (not
-    under tensor parallelism: the residual is added after each all-reduce)."""
-    return FUSED_FP8 and model.tp_size == 1 and all(
-        isinstance(getattr(lw, n), Fp8Weight) for lw in model.layers for n in ("qkv", "o", "gate_up", "down"))
-
-
-def _forward_one_row_fp8(model: LlamaModel, residual: torch.Tensor, positions: torch.Tensor,
-                         attn: KernelAttnInputs, kv_caches: list[torch.Tensor], cos, sin) -> torch.Tensor:
-    """forward_triton for one row with FP8 weights, 2 + 3 launches a layer instead of 7 + 3: the qkv
-    and gate_up GEMVs normalise the residual row themselves, gate_up applies SiLU·mul, o and down
-    add their output into the residual (kernels/gemv.gemv_kernel); the same roundings as the
-    separate kernels, so the same values."""
-    cfg = model.cfg
-    nh, kvh, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    attn_out = torch.empty(1, nh, d, dtype=model.dtype, device=model.device)
-    for layer, kv_cache in zip(model.layers, kv_caches):
-        qkv = gemv_fp8(None, layer.qkv, layer.qkv_bias, norm=(residual, layer.input_norm, eps))
-        qkv_prep_(qkv, positions, cos, sin, kv_cache, attn.slot_mapping, nh, kvh, d,
-                  q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
-        attend(qkv[:, :nh * d].view(1, nh, d), kv_cache, attn, model.scale, attn_out, cfg.sliding_window)
-        gemv_fp8(attn_out.view(1, nh * d), layer.o, layer.o_bias, residual=residual)             # residual += o
-        m = gemv_fp8(None, layer.gate_up, layer.gate_up_bias, norm=(residual, layer.post_norm, eps), gated=True)
-        gemv_fp8(m, layer.down, layer.down_bias, residual=residual)                             # residual += mlp
-    return add_rms_norm(residual, model.final_norm, eps)
 
 
 def compute_logits_triton(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
