@@ -4,7 +4,7 @@ rotated over enough copies that L2 never holds them, at the Llama-3.1-8B project
 - M = 1: the FP8 GEMV (kernels/fp8.gemv_fp8) over a sweep of tile configs, against the bf16 GEMV
   and the weight bytes at the copy bandwidth measured in the same run;
 - M = 2 .. 4096: bf16 cuBLAS; torch._scaled_mm with row-wise scales (what runs today) and with
-  tensor-wise ones; the Triton FP8-weight GEMM (kernels/fp8_gemm.py) W8A8 and W8A16 over a few
+  tensor-wise ones; the Triton FP8-weight GEMM (bench/triton_fp8_gemm.py) W8A8 and W8A16 over a few
   configs each; the per-token quantiser two-pass and one-pass;
 - `--profile`: the 8B model with FP8 weights and an fp8 KV cache, kernels of one decode graph
   replay at batch 1 / 64 / 256 (what the step's time is made of).
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from services.worker.kernels.fp8 import gemv_fp8, quantize_rows  # noqa: E402
-from services.worker.kernels.fp8_gemm import fp8w_gemm  # noqa: E402
+from triton_fp8_gemm import fp8w_gemm  # noqa: E402
 from services.worker.kernels.gemv import gemv  # noqa: E402
 from services.worker.models.fp8 import quantize_weight  # noqa: E402
 

@@ -1,4 +1,6 @@
-"""A Triton GEMM for FP8 weights at decode-sized M (kernels/fp8.py chooses it or cuBLASLt by M).
+"""A Triton GEMM for FP8 weights at decode-sized M, measured against cuBLASLt by bench/gpu_fp8_kernels.py
+(not served: the unit-scaled cuBLASLt GEMMs with the scales in the neighbouring kernels were as
+fast or faster at every decode size, docs/gpu.md; this kernel stays here as the sweep's peer).
 
 y[M, N] = x[M, K] @ W[N, K]^T, W in e4m3 with one float32 scale per output channel (models/fp8.py):
 
