@@ -7,14 +7,14 @@ buffers, so a captured graph replays on whatever the last copy put there. The on
 synchronisation of a step is reading the sampled ids (sampling.py).
 
 Device buffers (N = max_num_tokens, S = max_num_seqs, MB = max blocks per sequence):
-  i64 [4 * N] holds, for a step of T tokens (T = the padded batch of a graph bucket), four
+  i64 [4 * N + S] holds, for a step of T tokens (T = the padded batch of a graph bucket), four
       contiguous rows of T at [0, 4T): input ids, positions, slot mapping (-1 = padding: the KV
       write skips it), id source (>= 0: the id is prev_tokens[src], sampled by the step before,
-      which the host has not read yet; -1: the host's id). One copy of 4T values per step.
+      which the host has not read yet; -1: the host's id). One copy of 4T values per step. A
+      mixed step (decodes and prompt chunks, eager) adds its sequence ids at [4T, 4T + S),
+      decodes first (the two attention launches' seq_ids), in the same copy.
   i32 [(S + 1) + S + S * MB]: query start locations, seq lens, block tables (row stride MB);
       a step copies the prefix up to its last table row.
-      A mixed step (decodes and prompt chunks) adds its sequence ids after them, decodes first
-      (the two attention launches' seq_ids), in the same copy.
   prev_tokens [S] long: the sampler writes each step's ids here (runner.py's overlap).
 
 Staging is double-buffered: with step overlap the host fills step N+1's inputs while step N may
