@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.common import pb
 from services.common.ports import free_port
+from services.common.ports import reserve as reserve_ports
 from services.common.procs import die_with_parent
 
 METRICS_SERVICES = ("tokenizer", "scheduler", "worker", "embedder", "profiler", "kvstore")
@@ -188,6 +189,7 @@ class Mesh:
         if cfg.internal_mtls is not None:
             from services.cli.internal_security import InternalSecurity
             self.internal = InternalSecurity(cfg.internal_mtls, self._tmp)
+        reserve_ports(cfg.port, cfg.grpc_port)   # the public ports asked for: no service of ours gets them
         self.engines = [EnginePorts(i, free_port(), free_port(), free_port(), f"ipc://{self._tmp}/worker-{i}.ipc")
                         for i in range(cfg.data_parallel_size)]
         self.tokenizer_ports = [free_port() for _ in range(cfg.tokenizer_replicas)]

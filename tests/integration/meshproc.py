@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import http.client
 import signal
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def _start_mesh_once(model_dir: str, extra: tuple[str, ...], ready_timeout_s: fl
             with urllib.request.urlopen(f"{mesh.http_url}/health", timeout=2) as r:
                 if r.status == 200 and "meshllm services:" in open(mesh.log_path).read():
                     return mesh
-        except OSError:
+        except (OSError, http.client.HTTPException):   # not up yet, or not the gateway answering yet
             pass
         if time.monotonic() > deadline:
             mesh.stop()
