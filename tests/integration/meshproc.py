@@ -1,8 +1,8 @@
 """Start the real mesh (`meshllm serve`) as processes on free 127.0.0.1 ports, and stop it."""
 from __future__ import annotations
 
-import os
 import http.client
+import os
 import signal
 import subprocess
 import sys
