@@ -14,19 +14,8 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels.attention import quantize_fp8_e4m3
-
-FP8 = torch.float8_e4m3fn
-
-
-@triton.jit
-def _quantize_row_fp8(v, q_ptr, s_ptr, row, cols, ok):
-    """Per-token FP8 of one row held in registers (fp32 values already rounded to the model's
-    dtype): scale = amax / 448 (1 for an all-zero row) into s_ptr[row], e4m3 values into q_ptr's
-    row: the same values and scale as kernels/fp8.quantize_rows on the stored row."""
-    amax = tl.max(tl.where(ok, tl.abs(v), 0.0), 0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    tl.store(s_ptr + row, scale)
-    tl.store(q_ptr + cols, quantize_fp8_e4m3(v, scale).to(q_ptr.dtype.element_ty), mask=ok)
+from services.worker.kernels.fp8 import quantize_row, row_scale
+from services.worker.models.fp8 import FP8
 
 
 @triton.jit
@@ -56,7 +45,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr,
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if OUT_FP8:   # the next projection's per-token FP8 input, quantised here instead of re-read
         y = (y * w).to(res_ptr.dtype.element_ty).to(tl.float32)
-        _quantize_row_fp8(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok)
+        quantize_row(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok)
     else:
         tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -157,8 +146,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, stride_x, s
             y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
             amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
-        m = tl.max(amax, 0)
-        scale = tl.where(m > 0, m / 448.0, 1.0)
+        scale = row_scale(tl.max(amax, 0))
         tl.store(qs_ptr + row, scale)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)

@@ -22,35 +22,42 @@ import triton.language as tl
 
 from services.worker.kernels.attention import quantize_fp8_e4m3
 from services.worker.kernels.gemv import gemv_kernel
-from services.worker.models.fp8 import FP8, FP8_MAX, Fp8Weight
-
+from services.worker.models.fp8 import FP8, Fp8Weight
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX_C: tl.constexpr,
-                       BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+def row_scale(amax):
+    """A per-token FP8 scale from the row's absolute maximum: amax / 448, 1 for an all-zero row."""
+    return tl.where(amax > 0, amax / 448.0, 1.0)
+
+
+@triton.jit
+def quantize_row(v, q_ptr, s_ptr, row, cols, ok):
+    """Per-token FP8 of one row held in registers (fp32): its scale into s_ptr[row], the e4m3
+    values into q_ptr + cols (kernels/attention.quantize_fp8_e4m3, the one rounding rule)."""
+    scale = row_scale(tl.max(tl.where(ok, tl.abs(v), 0.0), 0))
+    tl.store(s_ptr + row, scale)
+    tl.store(q_ptr + cols, quantize_fp8_e4m3(v, scale).to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if ONE_PASS:   # the whole row in registers: one read
         rk = tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        m = tl.max(tl.abs(x), 0)
-        scale = tl.where(m > 0, m / FP8_MAX_C, 1.0)
-        tl.store(s_ptr + row, scale)
-        q = quantize_fp8_e4m3(x, scale)
-        tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
+        quantize_row(x, q_ptr + row * stride_q, s_ptr, row, rk, rk < K)
         return
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    m = tl.max(amax, 0)
-    scale = tl.where(m > 0, m / FP8_MAX_C, 1.0)
+    scale = row_scale(tl.max(amax, 0))
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        # div_rn: IEEE division (Triton's `/` may be approximate on the GPU), as torch's x / s.
         q = quantize_fp8_e4m3(x, scale)
         tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
 
@@ -66,8 +73,7 @@ def quantize_rows(x: torch.Tensor, one_pass: bool = True) -> tuple[torch.Tensor,
     if m:
         one = one_pass and k <= ONE_PASS_MAX_K
         block = triton.next_power_of_2(k) if one else min(1024, triton.next_power_of_2(k))
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX_C=FP8_MAX, BLOCK_K=block,
-                                 ONE_PASS=one, num_warps=min(16, max(4, block // 512)) if one else 4)
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one, num_warps=min(16, max(4, block // 512)) if one else 4)
     return q, s
 
 

@@ -72,14 +72,11 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, attn: KernelAttnInputs, scal
     """Paged attention of one layer into `out`: one launch, or for a mixed step two (its decodes
     with decode tiles, its prompt chunks with prefill tiles: a prefill-shaped grid would give each
     decode as many mostly idle programs as the longest chunk has query tiles)."""
-    if attn.decode_ids is None:
-        paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, attn.max_query_len,
-                        scale, out=out, sliding_window=window, num_splits=attn.num_splits)
-        return
-    paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, 1, scale, out=out,
-                    sliding_window=window, num_splits=attn.decode_splits, seq_ids=attn.decode_ids)
-    paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, attn.max_query_len,
-                    scale, out=out, sliding_window=window, seq_ids=attn.prefill_ids)
+    launches = ([(attn.max_query_len, attn.num_splits, None)] if attn.decode_ids is None else
+                [(1, attn.decode_splits, attn.decode_ids), (attn.max_query_len, 1, attn.prefill_ids)])
+    for max_query_len, splits, seq_ids in launches:
+        paged_attention(q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, max_query_len, scale,
+                        out=out, sliding_window=window, num_splits=splits, seq_ids=seq_ids)
 
 
 def rope_tables_f32(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
