@@ -7,7 +7,8 @@ on the Llama-3.1-8B shape with random weights (bench/gpu_decode.py's model and l
    and an fp8 KV cache, against the memory floor (weight bytes + KV bytes at the measured copy
    bandwidth); FP8 weights both "fused" (producers quantise, consumers scale: the served path)
    and "separate" (one quantiser + row-wise-scaled GEMM per projection, models/llama_triton.FUSED_FP8);
-3. offline 1k/1k (512 requests, 256 at once) for each weights:KV[:mode] asked for.
+3. offline 1k/1k (512 requests, --max-seqs at once: 256, or one run per value) for each
+   weights:KV[:mode] asked for.
 
 Per-kernel timings of the projections: bench/gpu_fp8_kernels.py.
 
@@ -82,6 +83,8 @@ def main() -> int:
     p.add_argument("--weights", default="bf16,fp8")
     p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, as the worker does")
+    p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
+    p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     a = p.parse_args()
     out = Path(a.out)
     res: dict = {"bench": "gpu_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -119,7 +122,7 @@ def main() -> int:
                 llama_triton.FUSED_FP8 = mode != "separate"
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
                 if not a.skip_decode:
-                    for b in (1, 64, 256):
+                    for b in (int(x) for x in a.decode_batches.split(",")):
                         r = decode_steps(runner, Reqs(runner.num_blocks), b, 1536, 30, gen)
                         floor = wbytes + b * 1536 * kv_elems * (1 if kv_dtype is not None else 2)
                         r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode,
@@ -142,11 +145,12 @@ def main() -> int:
                     if a.gc_freeze:
                         gc.collect()
                         gc.freeze()
-                    r = offline(runner, a.requests, 256, 1024, 1024, 8192, gen, a.offline_cap_s)
-                    r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
-                    res["offline"].append(r)
-                    print("offline", r, flush=True)
-                    save()
+                    for max_seqs in (int(x) for x in a.max_seqs.split(",")):
+                        r = offline(runner, a.requests, max_seqs, 1024, 1024, 8192, gen, a.offline_cap_s)
+                        r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
+                        res["offline"].append(r)
+                        print("offline", r, flush=True)
+                        save()
                 llama_triton.FUSED_FP8 = True
                 del runner
                 torch.cuda.empty_cache()
