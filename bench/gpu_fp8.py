@@ -84,6 +84,8 @@ def main() -> int:
     p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, as the worker does")
     p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
+    p.add_argument("--modes", default="fused,separate",
+                   help="FP8-weight forwards to time: fused (the served one), separate")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     a = p.parse_args()
     out = Path(a.out)
@@ -112,7 +114,7 @@ def main() -> int:
         wbytes = weight_bytes(model)
         res.setdefault("weight_bytes", {})[weights] = wbytes
         for kv_name in ("bf16", "fp8"):
-            modes = ("fused", "separate") if weights == "fp8" else ("-",)
+            modes = tuple(a.modes.split(",")) if weights == "fp8" else ("-",)
             wanted = [m for m in modes if (weights, kv_name, m if weights == "fp8" else "fused") in offline_runs]
             if a.skip_decode and not wanted:
                 continue
