@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
                         llama31_8b_config, mixed_parts, offline)
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
+from services.worker.kernels import pdl  # noqa: E402
 from services.worker.models import llama_triton  # noqa: E402
 from services.worker.models.fp8 import FP8, Fp8Weight, quantize_layers, quantize_weight  # noqa: E402
 
@@ -85,7 +86,8 @@ def main() -> int:
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, as the worker does")
     p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
     p.add_argument("--modes", default="fused,separate",
-                   help="FP8-weight forwards to time: fused (the served one), separate")
+                   help="FP8-weight forwards to time: fused (the served one), separate, nopdl (fused, its "
+                        "kernels launched without programmatic dependent launch: kernels/pdl.py)")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     a = p.parse_args()
     out = Path(a.out)
@@ -122,6 +124,7 @@ def main() -> int:
             for mode in modes:
                 # A runner per mode: its hello captures the decode graphs of that forward.
                 llama_triton.FUSED_FP8 = mode != "separate"
+                pdl.ENABLED = mode != "nopdl"
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
                 if not a.skip_decode:
                     for b in (int(x) for x in a.decode_batches.split(",")):
@@ -153,7 +156,7 @@ def main() -> int:
                         res["offline"].append(r)
                         print("offline", r, flush=True)
                         save()
-                llama_triton.FUSED_FP8 = True
+                llama_triton.FUSED_FP8 = pdl.ENABLED = True
                 del runner
                 torch.cuda.empty_cache()
         del model

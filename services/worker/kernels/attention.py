@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.pdl import launch_args, wait_prior
+
 _LOG2E = 1.4426950408889634
 FP8_E4M3_MAX = 448.0
 # KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
@@ -71,7 +73,9 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP16_DOTS: tl.constexpr,              # fp8 cache, 16-bit q: both dots in fp16 (see paged_attention)
     HAS_SEQ_IDS: tl.constexpr,            # grid axis 0 walks seq_ids (a subset of the batch's sequences)
+    USE_PDL: tl.constexpr = False,        # kernels/pdl.py
 ):
+    wait_prior(USE_PDL)
     if HAS_SEQ_IDS:
         seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int32)
     else:
@@ -157,7 +161,8 @@ def _paged_attn_kernel(
 @triton.jit
 def _combine_splits_kernel(part_o_ptr, part_ml_ptr, o_ptr, stride_ot, stride_oh,
                            NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, NUM_SPLITS)
@@ -250,12 +255,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_HEADS=nh, NUM_SPLITS=num_splits, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(t, nh)](part_o, part_ml, out, out.stride(0), out.stride(1),
                                         NUM_HEADS=nh, NUM_SPLITS=num_splits, HEAD_DIM=d,
-                                        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
+                                        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+                                        **launch_args(part_o))
     return out
 
 
@@ -269,7 +275,8 @@ def _check_cache_dtype(kv_cache: torch.Tensor) -> None:
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                      stride_kt, stride_vt, stride_cslot, k_scale, v_scale,
                      KVD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KVD: tl.constexpr,
-                     FP8: tl.constexpr):
+                     FP8: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_KVD)
     slot = tl.load(slot_ptr + toks, mask=toks < num_tokens, other=-1).to(tl.int64)
@@ -300,4 +307,4 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     _write_kv_kernel[grid](k, v, kc, vc, slot_mapping, t, k.stride(0), v.stride(0), kc.stride(1),
                            float(k_scale), float(v_scale),
                            KVD=kvd, BLOCK_T=block_t, BLOCK_KVD=triton.next_power_of_2(kvd),
-                           FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4)
+                           FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **launch_args(k))

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.pdl import launch_args, wait_prior
+
 from services.worker.kernels.attention import quantize_fp8_e4m3
 from services.worker.kernels.fp8 import quantize_row, row_scale
 from services.worker.models.fp8 import FP8
@@ -22,7 +24,8 @@ from services.worker.models.fp8 import FP8
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out,
                          HAS_RESIDUAL: tl.constexpr, IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -75,14 +78,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _add_rms_norm_kernel[(t,)](x, res, weight, out, rs, cs, qs if fp8_out else weight, h, eps,
                                x.stride(0), res.stride(0), out.stride(0),
                                HAS_RESIDUAL=residual is not None, IN_SCALED=in_scales is not None,
-                               OUT_FP8=fp8_out, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                               OUT_FP8=fp8_out, BLOCK=block, num_warps=min(16, max(1, block // 256)), **launch_args(x))
     return (out, qs) if fp8_out else out
 
 
 @triton.jit
 def _rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_pos,
                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -115,7 +119,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     _rope_kernel[(t,)](qkv, positions, cos, sin, qkv.stride(0), cos.stride(0),
                        NUM_HEADS=num_rot_heads, HALF=half,
                        BLOCK_H=triton.next_power_of_2(num_rot_heads),
-                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **launch_args(qkv))
     return qkv
 
 
@@ -134,7 +138,9 @@ def _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALE
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, stride_x, stride_out,
-                     IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr):
+                     IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     if OUT_FP8:
         # One program per row, in chunks (a 14,336-wide row held whole spills registers): the
@@ -184,5 +190,5 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     grid = (t, 1) if fp8_out else (t, triton.cdiv(i, block))
     _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, i, x.stride(0), out.stride(0),
                            IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
-                           num_warps=8 if fp8_out else 4)
+                           num_warps=8 if fp8_out else 4, **launch_args(x))
     return (out, qs) if fp8_out else out

@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.pdl import launch_args, wait_prior
+
 
 @triton.jit
 def _embed_kernel(ids_ptr, src_ptr, prev_ptr, table_ptr, out_ptr, hidden, stride_table, stride_out,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     src = tl.load(src_ptr + t)
@@ -39,6 +42,6 @@ def embed_tokens(table: torch.Tensor, ids: torch.Tensor, src: torch.Tensor,
     assert table.stride(1) == 1
     block = min(block, triton.next_power_of_2(h))
     _embed_kernel[(t, triton.cdiv(h, block))](ids, src, prev_tokens, table, out, h, table.stride(0),
-                                              out.stride(0), BLOCK=block, num_warps=4)
+                                              out.stride(0), BLOCK=block, num_warps=4, **launch_args(ids))
     return out
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.pdl import launch_args, wait_prior
+
 from services.worker.kernels.attention import quantize_fp8_e4m3
 from services.worker.kernels.gemv import gemv_kernel
 from services.worker.models.fp8 import FP8, Fp8Weight
@@ -41,7 +43,9 @@ def quantize_row(v, q_ptr, s_ptr, row, cols, ok):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     if ONE_PASS:   # the whole row in registers: one read
         rk = tl.arange(0, BLOCK_K)
@@ -73,7 +77,8 @@ def quantize_rows(x: torch.Tensor, one_pass: bool = True) -> tuple[torch.Tensor,
     if m:
         one = one_pass and k <= ONE_PASS_MAX_K
         block = triton.next_power_of_2(k) if one else min(1024, triton.next_power_of_2(k))
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one, num_warps=min(16, max(4, block // 512)) if one else 4)
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one,
+                                 num_warps=min(16, max(4, block // 512)) if one else 4, **launch_args(x))
     return q, s
 
 
@@ -95,7 +100,7 @@ def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     bk = min(bk, triton.next_power_of_2(k))
     gemv_kernel[(triton.cdiv(n, bn),)](x, w.weight, w.scale, bias if bias is not None else w.scale, y, n, k,
                                        w.weight.stride(0), HAS_SCALE=True, HAS_BIAS=bias is not None, BLOCK_N=bn,
-                                       BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                                       BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch_args(x))
     return y
 
 

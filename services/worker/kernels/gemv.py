@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from services.worker.kernels.pdl import launch_args, wait_prior
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) from the H200 sweep, by K.
 _CONFIGS = {4096: (16, 512, 8, 2), 14336: (16, 1024, 8, 4)}
 _DEFAULT = (16, 256, 4, 4)
@@ -21,8 +23,10 @@ ENABLED = True   # bench/gpu_decode.py turns it off to time cuBLAS in the same r
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_PDL: tl.constexpr = False):
     """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py)."""
+    wait_prior(USE_PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -51,7 +55,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     bk = min(bk, triton.next_power_of_2(k))
     gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, bias if bias is not None else w, y, n, k, w.stride(0),
                                        HAS_SCALE=False, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-                                       num_warps=warps, num_stages=stages)
+                                       num_warps=warps, num_stages=stages, **launch_args(x))
     return y
 
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kernels.pdl import launch_args, wait_prior
+
 from services.worker.kernels.attention import quantize_fp8_e4m3
 
 
@@ -25,7 +27,8 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
                      IS_FP8: tl.constexpr, IN_SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr):
+                     BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -152,5 +155,5 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
                            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                            HALF=half, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
                            IS_FP8=is_fp8, IN_SCALED=in_scales is not None, BLOCK_H=block_h,
-                           BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+                           BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **launch_args(qkv))
     return qkv
