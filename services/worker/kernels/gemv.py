@@ -25,12 +25,23 @@ ENABLED = True   # bench/gpu_decode.py turns it off to time cuBLAS in the same r
 def gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 USE_PDL: tl.constexpr = False):
-    """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py)."""
-    wait_prior(USE_PDL)
+    """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py).
+    With PDL the first weight tile is loaded before waiting for the previous kernel (no kernel
+    writes weights), so the stream starts while that kernel finishes; x is read after the wait."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if USE_PDL:
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        wait_prior(USE_PDL)
+        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],

@@ -12,7 +12,9 @@ Only launches of at most MAX_ROWS rows (tokens) use it. On the H200 (8B shape, F
 graphs, `python3 bench/gpu_fp8.py --weights fp8 --modes fused,nopdl --offline ""`,
 bench/results/gpu_fp8_pdl.json) PDL on every launch made the decode step at batch 1 4.6% faster
 (2.99 -> 2.85 ms, bf16 KV; 3.02 -> 2.88, fp8 KV), batch 64 2.5% slower (6.50 -> 6.66) and batch 256
-the same (17.30 / 17.32).
+the same (17.30 / 17.32). The one-row GEMV (gemv.py) also loads its first weight tile before the
+wait, the one read allowed there (no kernel writes weights): b1 2.82 / 2.85 ms
+(gpu_fp8_pdl_prefetch.json).
 
 Off on CPUs and under Triton's interpreter (the constexpr is False and no launch option is passed),
 on GPUs older than Hopper, and with MESHLLM_PDL=0 (or `ENABLED = False` before the CUDA graphs are
