@@ -340,3 +340,11 @@ def test_gemv_matches_linear_including_ragged_edges(dtype, n, k, bias):
     got = gemv(x, w, b, config=(16, 32, 4, 2))
     assert got.shape == (1, n) and got.dtype == dtype
     assert rel_err(got, want) < TOL[dtype]
+    # The first K tile apart (as under PDL on a GPU), with K under, at and over one tile.
+    from services.worker.kernels.gemv import gemv_kernel
+    for bk in (128, 64, 32):
+        peeled = torch.empty_like(got)
+        gemv_kernel[(triton.cdiv(n, 16),)](x, w, w, b if b is not None else w, peeled, n, k, w.stride(0),
+                                           HAS_SCALE=False, HAS_BIAS=b is not None, BLOCK_N=16, BLOCK_K=bk,
+                                           PEEL_FIRST=True)
+        assert rel_err(peeled, want) < TOL[dtype], bk

@@ -24,15 +24,17 @@ ENABLED = True   # bench/gpu_decode.py turns it off to time cuBLAS in the same r
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                USE_PDL: tl.constexpr = False):
+                USE_PDL: tl.constexpr = False, PEEL_FIRST: tl.constexpr = False):
     """y = x @ W^T (x one row); HAS_SCALE: W holds FP8 values, row n scaled by s[n] (kernels/fp8.py).
     With PDL the first weight tile is loaded before waiting for the previous kernel (no kernel
-    writes weights), so the stream starts while that kernel finishes; x is read after the wait."""
+    writes weights), so the stream starts while that kernel finishes; x is read after the wait.
+    PEEL_FIRST: that first iteration apart without PDL (the CPU tests run it under the interpreter,
+    which has no grid-dependency instructions)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     start = 0
-    if USE_PDL:
+    if USE_PDL or PEEL_FIRST:
         rk = tl.arange(0, BLOCK_K)
         k_ok = rk < K
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
