@@ -1,6 +1,8 @@
 """The mesh through the official `openai` client: completions and chat, streaming and not."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 from openai import OpenAI
 
@@ -43,17 +45,19 @@ def test_chat_completion_answers_as_assistant(client, mesh):
 def test_streamed_deltas_concatenate_to_the_non_streamed_text(client, mesh, kind):
     args = dict(model=mesh.model_name, max_tokens=40, temperature=0)
     if kind == "completions":
-        prompt = "Once upon a time, in a small village,"
-        full = client.completions.create(prompt=prompt, **args)
-        chunks = list(client.completions.create(prompt=prompt, stream=True,
-                                                stream_options={"include_usage": True}, **args))
+        create, args["prompt"] = client.completions.create, "Once upon a time, in a small village,"
+    else:
+        create, args["messages"] = client.chat.completions.create, [
+            {"role": "user", "content": "Write two sentences about autumn."}]
+    # Both at once: the engine batches them (greedy batched == solo: test_greedy_parity.py).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(create, **args)
+        chunks = list(create(stream=True, stream_options={"include_usage": True}, **args))
+        full = whole.result(timeout=120)
+    if kind == "completions":
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         expected = full.choices[0].text
     else:
-        messages = [{"role": "user", "content": "Write two sentences about autumn."}]
-        full = client.chat.completions.create(messages=messages, **args)
-        chunks = list(client.chat.completions.create(messages=messages, stream=True,
-                                                     stream_options={"include_usage": True}, **args))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         expected = full.choices[0].message.content
         assert chunks[0].choices[0].delta.role == "assistant"
