@@ -51,9 +51,35 @@ def converted_tokenizer(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def gguf_tokenizer(smollm2_gguf):
+def gguf_parsed_once():
+    """A context in which transformers' GGUF loads share one GGUFReader per file and one tensor
+    name map per architecture. Each load (config, weights, tokenizer) otherwise builds a new
+    reader, parsing all 49,152 vocabulary entries again, and the weights map is rebuilt for
+    each of ~400 submodules: ~16 of the ~31 s the two references cost, spent on identical results."""
+    import contextlib
+    import functools
+
+    import gguf
+
+    readers = functools.cache(gguf.GGUFReader)
+    name_maps = functools.cache(gguf.get_tensor_name_map)
+
+    @contextlib.contextmanager
+    def parsed_once():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf, "GGUFReader", readers)
+            mp.setattr(gguf, "get_tensor_name_map", name_maps)
+            yield
+    yield parsed_once
+    readers.cache_clear()
+    name_maps.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(smollm2_gguf, gguf_parsed_once):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -93,7 +119,7 @@ def test_converted_dir_loads_as_a_transformers_tokenizer_with_chat_template(smol
 
 
 @pytest.fixture(scope="module")
-def models(smollm2_dir, smollm2_gguf):
+def models(smollm2_dir, smollm2_gguf, gguf_parsed_once):
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -102,8 +128,9 @@ def models(smollm2_dir, smollm2_gguf):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     converted = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        reference = AutoModelForCausalLM.from_pretrained(
+            str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
     yield converted, reference
     torch.set_num_threads(threads)
 
