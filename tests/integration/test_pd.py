@@ -346,8 +346,10 @@ def test_the_kvstore_killed_makes_the_decode_engine_recompute_with_the_same_outp
     kv = replicas(pd_kvstore)["kvstore-0"]
     os.kill(kv.pids[0], signal.SIGKILL)
     prompts = [passage(700 + i, 90) for i in range(3)]
-    for p in prompts:
-        assert ids(complete(pd_kvstore, p)) == ids(complete(mesh, p))
+    with concurrent.futures.ThreadPoolExecutor(2 * len(prompts)) as ex:   # all at once: batched greedy == solo
+        outs = [(ex.submit(complete, pd_kvstore, p), ex.submit(complete, mesh, p)) for p in prompts]
+        for got, want in outs:
+            assert ids(got.result()) == ids(want.result())
     wait_recovered(pd_kvstore, "kvstore-0", kv.restarts)
     pd_kvstore.seen |= set(pd_kvstore.service_pids())
 
