@@ -94,12 +94,24 @@ def complete_saved(mesh, engine: str, prompt: str, max_tokens: int = 12) -> dict
     kvstore saves of the prompt's full blocks (they are put after the response, on a thread)."""
     before = saves_ended(mesh, engine)
     out = complete(mesh, prompt, max_tokens)
-    want = before + out["prompt_tokens"] // 16 - out["cached"] // 16
+    wait_saves_ended(mesh, engine, before + out["prompt_tokens"] // 16 - out["cached"] // 16)
+    return out
+
+
+def complete_all_saved(mesh, engine: str, prompts: list[str], max_tokens: int = 12) -> list[dict]:
+    """complete_saved() of several prompts sent at once (batched greedy == solo)."""
+    before = saves_ended(mesh, engine)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: complete(mesh, p, max_tokens), prompts))
+    wait_saves_ended(mesh, engine, before + sum(out["prompt_tokens"] // 16 - out["cached"] // 16 for out in outs))
+    return outs
+
+
+def wait_saves_ended(mesh, engine: str, want: float) -> None:
     deadline = time.monotonic() + 30
     while saves_ended(mesh, engine) < want:
         assert time.monotonic() < deadline, f"{engine} did not end its kvstore saves"
         time.sleep(0.05)
-    return out
 
 
 def reset_device_caches(mesh) -> None:
@@ -168,7 +180,8 @@ def test_host_offload_serves_a_working_set_larger_than_the_device_pool(mesh):
 def test_killing_the_kvstore_during_loads_and_saves_costs_only_recomputes(mesh):
     only(mesh, "engine-0")
     stored = [passage(30 + i) for i in range(2)]
-    expect = {p: complete_saved(mesh, "engine-0", p)["ids"] for p in stored}   # saved to the tier by engine-0
+    saved = complete_all_saved(mesh, "engine-0", stored)        # saved to the tier by engine-0
+    expect = {p: out["ids"] for p, out in zip(stored, saved)}
     only(mesh, "engine-1")
     fresh = [passage(40 + i) for i in range(2)]                  # computed and saved during the kill
     kv = replicas(mesh)["kvstore-0"]
@@ -180,8 +193,10 @@ def test_killing_the_kvstore_during_loads_and_saves_costs_only_recomputes(mesh):
     for p in stored:
         assert results[p]["ids"] == expect[p]
     only(mesh, "engine-0")
-    for p in fresh:   # engine-0 never saw them: computed again, same greedy output
-        assert complete(mesh, p)["ids"] == results[p]["ids"]
+    with concurrent.futures.ThreadPoolExecutor(len(fresh)) as pool:   # engine-0 never saw them: computed again
+        again = dict(zip(fresh, pool.map(lambda p: complete(mesh, p), fresh)))
+    for p in fresh:   # the same greedy output
+        assert again[p]["ids"] == results[p]["ids"]
     wait_recovered(mesh, "kvstore-0", kv.restarts)
     # The restarted (empty) kvstore is used again: a new prompt goes to the tier and across.
     p = passage(50)
