@@ -30,6 +30,9 @@ SPEC_ACCEPTED = Counter(PREFIX + "worker_spec_accepted_tokens_total", "draft tok
                         ["model_name", "method"])
 SPEC_STEPS = Counter(PREFIX + "worker_spec_steps_total", "steps that verified draft tokens",
                      ["model_name", "method"])
+SPEC_FED_STEPS = Counter(PREFIX + "worker_spec_device_fed_steps_total",
+                         "speculative steps fed from the device (drafts proposed without a host sync)",
+                         ["model_name", "method"])
 SPEC_ROWS = Counter(PREFIX + "worker_spec_verified_rows_total",
                     "request rows that verified drafts (mean accepted length = 1 + accepted / rows)",
                     ["model_name", "method"])

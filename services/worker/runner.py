@@ -41,7 +41,7 @@ from services.worker.plan import (INTERNAL, INVALID_ARGUMENT, LoadResult, PlanEr
                                   SaveResult, StepPlan, StepResult, TokenLogprob, WorkerInfo)
 from services.worker import prompt_logprobs
 from services.worker.sampling import SampleHandle, SampleRow, new_base_seed, sample_async
-from services.worker.spec import steps as spec_steps
+from services.worker.spec import device_steps, steps as spec_steps
 from services.worker.spec.decoder import accepted_prefix
 from services.worker.structured import Constraints, RequestMatcher
 
@@ -67,6 +67,8 @@ class RequestState:
     # or already delivered before a preemption); prompt_len - 1 otherwise (prompt_logprobs.py).
     prompt_lp_end: int = 0
     spec_pending: bool = False    # its pending token is the end of a verified draft run (host only)
+    dev_live: bool = False        # its device n-gram row holds every token, pending ones too (spec/device_steps.py)
+    dev_slack: int = 0            # drafts of the device-fed step in flight: how far past num_computed it may be
 
     @property
     def num_known(self) -> int:
@@ -109,6 +111,7 @@ class PendingStep:
     forward_ns: int = 0
     prompt_handle: prompt_logprobs.PromptLogprobHandle | None = None
     prompt_lps: dict | None = None             # request id -> [PromptLogprob], once resolved
+    fed: object | None = None                  # spec.device_steps.FedStep: a device-fed step
 
 
 class ModelRunner:
@@ -211,6 +214,11 @@ class ModelRunner:
         """Speculative decoding (spec.decoder.SpecDecoder); on a GPU its verify steps get CUDA
         graphs (gpu_verify.py), captured now against the current cache."""
         self.spec = decoder
+        cfg = decoder.cfg
+        if cfg.method == "ngram" and not decoder.follower and device_steps.enabled():
+            from services.worker.spec.device_ngram import DeviceNgram
+            decoder.device = DeviceNgram(cfg.prompt_lookup_min, cfg.prompt_lookup_max, self.model.max_model_len,
+                                         cfg.num_speculative_tokens + 1, device_steps.FED_SLOTS, self.model.device)
         if self.gpu is not None and self.gpu.graph_sizes:
             self.graph_capture_s += self.gpu.capture_verify(decoder.cfg.num_speculative_tokens)
 
@@ -317,7 +325,7 @@ class ModelRunner:
         if total > self.num_blocks * self.block_size:
             raise PlanError(f"{total} tokens in one step exceed the KV cache ({self.num_blocks} blocks)")
 
-    def _apply(self, plan: StepPlan) -> list[_Scheduled]:
+    def _apply(self, plan: StepPlan, fed=None) -> list[_Scheduled]:
         for rid in plan.finished_ids:
             # Unknown ids are fine: a request may finish before the worker ever saw it.
             self.requests.pop(rid, None)
@@ -343,7 +351,9 @@ class ModelRunner:
             start = max(r.num_computed_tokens, state.num_computed_tokens)
             scheduled.append(_Scheduled(state, start, r.num_scheduled_tokens,
                                         r.num_spec_tokens if self.spec is not None else 0))
-        if self.spec is not None:
+        if fed is not None:   # drafts come from the device (spec/device_steps.py)
+            self.spec.acceptance.tick()
+        elif self.spec is not None:
             spec_steps.plan_drafts(self, scheduled)
         return scheduled
 
@@ -356,7 +366,8 @@ class ModelRunner:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
         synced = False
-        if self.spec is not None and spec_steps.read_first(self, plan):
+        fed = device_steps.fed_plan(self, plan) if self.spec is not None else None
+        if fed is None and self.spec is not None and spec_steps.read_first(self, plan):
             synced = True
             # A verified run's length is known once read: before this plan is checked against it.
             try:
@@ -379,7 +390,7 @@ class ModelRunner:
             for p in list(self._unresolved[:-1] if self.overlap else self._unresolved):
                 self._resolve(p)
             t_host = time.perf_counter()
-            scheduled = self._apply(plan)
+            scheduled = self._apply(plan, fed)
             if plan.has_tier_work:   # stream-ordered before the forward (kv_tiers.py)
                 self.tiers.apply_host_copies(plan)
                 self.tiers.start_loads(plan.tier_loads)
@@ -388,8 +399,13 @@ class ModelRunner:
                 if plan.tier_saves:
                     self.tiers.refuse_saves(plan.tier_saves)
                 return PendingStep(plan.step_id, [], [], None, t0, sampled={})
-            step = self._launch(plan.step_id, scheduled, t0)
-            if self.spec is not None and self.overlap:
+            if fed is not None:
+                handle, fed_step = device_steps.launch(self, scheduled, fed)
+                step = PendingStep(plan.step_id, scheduled, list(scheduled), handle, t0, fed=fed_step)
+                self._unresolved.append(step)
+            else:
+                step = self._launch(plan.step_id, scheduled, t0)
+            if self.spec is not None and self.overlap and fed is None:
                 if not any(s.drafts for s in scheduled):
                     self.spec.host_time(time.perf_counter() - t_host)   # what a sync would expose
                 elif synced:   # what this one exposed, from the previous step's tokens read
@@ -472,12 +488,16 @@ class ModelRunner:
         except Exception:
             for s in step.sampling_seqs:   # never feed later steps from a failed one
                 s.state.num_pending = 0
+                s.state.dev_live = False
             raise
         finally:
             now = time.perf_counter_ns()
             # Device time of this step without counting the overlap with the one before twice.
             step.forward_ns = now - max(step.t0, self._last_done_ns)
             self._last_done_ns = now
+        if step.fed is not None:
+            device_steps.resolve(self, step, tokens)
+            return
         i = 0
         for s in step.sampling_seqs:
             st = s.state
@@ -488,8 +508,9 @@ class ModelRunner:
                 toks = toks[:a + 1]
                 st.num_computed_tokens = s.start + s.count + a
                 self.spec.observe(st.request_id, len(s.drafts), a)
-            st.spec_pending = False
             st.num_pending -= 1
+            if not st.num_pending:   # else a later step in flight set it (a device-fed one may follow this)
+                st.spec_pending = False
             for tok in toks:
                 st.token_ids.append(tok.token_id)
                 st.num_output_tokens += 1
@@ -567,6 +588,7 @@ class ModelRunner:
                 done = st.num_output_tokens + st.num_pending
                 st.pending_row = -1 if verifies else len(rows)
                 st.spec_pending = verifies
+                st.dev_live = False    # the device n-gram row misses this token (device_steps.py)
                 # A draft row samples as plain decoding would at its position: the drafts before
                 # it are its history (penalties) and its grammar prefix (masks).
                 for j in range(len(s.drafts) + 1):

@@ -53,6 +53,11 @@ class SampleRow:
     mask_row: int = -1           # its row of the step's structured-output bitmask; -1: unconstrained
     grammar_stops: bool = False  # that mask allows only stop tokens: min_tokens does not mask them
     draft_prefix: list[int] | tuple = ()   # speculative decoding: drafts drawn before this row's token
+    # A device-fed step (spec/device_steps.py): the draw's position is `position` + shift, where the
+    # shift [1] long is on the device, in [0, window]: the noise of every candidate position is
+    # made and the shift picks one, with no host sync.
+    window: int = 0
+    shift: torch.Tensor | None = None
 
     @property
     def draw_position(self) -> int:
@@ -154,6 +159,7 @@ class SampleHandle:
     def __init__(self, rows: list[SampleRow], tokens: torch.Tensor, lp_rows: list[int],
                  sampled_lp: torch.Tensor | None, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self.rows, self.lp_rows = rows, lp_rows
+        self.device_tokens = tokens     # the sampled ids where they were drawn (device-fed steps read them)
         cuda = tokens.device.type == "cuda"
         # On CUDA `.to("cpu", non_blocking=True)` lands in pinned memory; the event marks the end
         # of these copies, so result() never waits for kernels launched after this call.
@@ -224,10 +230,26 @@ def sample_async(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tup
         # Exponential race (argmax p/q, q ~ Exp(1)) == multinomial, without a device sync,
         # and each row's noise comes from its own generator only.
         noise = torch.empty_like(probs)
+        made: dict[tuple[int, int], torch.Tensor] = {}
+
+        def draw(seed: int, pos: int) -> torch.Tensor:
+            row = made.get((seed, pos))
+            if row is None:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(step_seed(seed, pos))
+                row = made[(seed, pos)] = torch.empty(probs.shape[1], dtype=probs.dtype, device=dev).exponential_(
+                    generator=gen)
+            return row
+
         for j, i in enumerate(rand):
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(step_seed(rows[i].base_seed, rows[i].draw_position))
-            noise[j].exponential_(generator=gen)
+            r = rows[i]
+            if r.window:
+                cand = torch.stack([draw(r.base_seed, r.draw_position + m) for m in range(r.window + 1)])
+                noise[j] = cand.index_select(0, r.shift.clamp(0, r.window))[0]
+            else:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(step_seed(r.base_seed, r.draw_position))
+                noise[j].exponential_(generator=gen)
         noise.clamp_(min=1e-30)  # an exact 0 draw would make 0/0 for masked tokens
         tokens.index_copy_(0, r_idx, (probs / noise).argmax(dim=-1))
     if out is not None and tokens is not out:

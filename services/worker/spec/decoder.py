@@ -17,8 +17,8 @@ import time
 import torch
 
 from services.common.spec_config import SpecConfig
-from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTED, SPEC_DRAFTED_AT, SPEC_ROWS,
-                                     SPEC_STEPS)
+from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTED, SPEC_DRAFTED_AT,
+                                     SPEC_FED_STEPS, SPEC_ROWS, SPEC_STEPS)
 from services.worker.spec.dynamic_k import (MIN_GAIN, REVISIT_STEPS, AcceptanceTracker, StepCostModel, VerifyCostModel,
                                             choose_k, choose_uniform_k)
 from services.worker.spec.ngram import NgramProposer
@@ -63,6 +63,7 @@ class SpecDecoder:
         self.cache = (SuffixCache(cfg.suffix_max_depth, cfg.suffix_cache_outputs)
                       if cfg.method == "suffix" else None)
         self.proposers: dict[str, object] = {}
+        self.device = None        # spec.device_ngram.DeviceNgram: n-gram drafts on the device (runner.enable_spec)
         self.acceptance = AcceptanceTracker(prior=0.5)
         # Set by calibrate(); until then every proposal is verified.
         self.spec_cost: StepCostModel | VerifyCostModel | None = None
@@ -70,6 +71,8 @@ class SpecDecoder:
         labels = (model_name, cfg.method)
         self._drafted, self._accepted = SPEC_DRAFTED.labels(*labels), SPEC_ACCEPTED.labels(*labels)
         self._steps, self._rows = SPEC_STEPS.labels(*labels), SPEC_ROWS.labels(*labels)
+        self._fed = SPEC_FED_STEPS.labels(*labels)
+        self.fed_steps = 0               # device-fed steps (spec/device_steps.py)
         self._drafted_at = [SPEC_DRAFTED_AT.labels(*labels, str(j + 1)) for j in range(cfg.num_speculative_tokens)]
         self._accepted_at = [SPEC_ACCEPTED_AT.labels(*labels, str(j + 1)) for j in range(cfg.num_speculative_tokens)]
         self.drafted = self.accepted = 0
@@ -100,6 +103,8 @@ class SpecDecoder:
             p.extend(tokens)
 
     def finish(self, request_id: str) -> None:
+        if self.device is not None:
+            self.device.release(request_id)
         if self.draft is not None:
             self.draft.finish(request_id)
         p = self.proposers.pop(request_id, None)
@@ -111,6 +116,8 @@ class SpecDecoder:
         """A (re)connecting scheduler: every request is gone (the draft's pool follows the cache)."""
         for rid in list(self.proposers):
             self.finish(rid)
+        if self.device is not None:
+            self.device.clear()
         if self.draft is not None:
             self.draft.reset(num_blocks, block_size)
 
@@ -222,6 +229,10 @@ class SpecDecoder:
 
     def stepped(self) -> None:
         self._steps.inc()
+
+    def fed(self) -> None:
+        self.fed_steps += 1
+        self._fed.inc()
 
     def host_time(self, seconds: float) -> None:
         """The host's time to build and launch an overlapped step (an EWMA)."""

@@ -1,0 +1,246 @@
+"""Device-fed speculative steps: n-gram drafts proposed on the device while the previous step
+still runs, so a speculating step keeps its overlap with the host (MRv2's design: the next
+step is planned before this one's acceptance is known, and the accepted count is fed forward on
+the device).
+
+A step is device-fed when every row is a decode row of a request whose sampling reads no host
+token history (greedy, no penalties, no grammar, min_tokens reached) and the previous step is
+still in flight. The host decides only how many drafts each row may get (the verify width q,
+from the cost model and the acceptance measured so far: device drafts cost no sync, so none is
+priced) and the block tables; the device (spec/device_ngram.py) proposes from each request's
+device row, and the executor (gpu_fed.py) writes the input ids, positions, KV slots and context
+lengths from the device lengths before replaying the verify (or decode) CUDA graph. Behind the
+sampler the device appends each row's accepted drafts and bonus token to its row. The host reads
+the step one step later, like any other, together with the drafts it verified.
+
+Host bookkeeping while such a step is in flight: a request's num_computed_tokens is a lower bound
+(as if nothing was accepted), `dev_slack` is the most the last fed step can have moved it, and
+the pending token sits at no fixed sample row (spec_pending), so a step built on the host reads
+the previous step first (spec/steps.read_first), as after any verify step."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.spec.decoder import accepted_prefix
+from services.worker.spec.dynamic_k import MIN_GAIN
+
+FED_SLOTS = 64            # requests with a device row at once
+MAX_FED_ROWS = 32         # rows of a device-fed step with drafts (the verify graphs' largest batch)
+
+
+def enabled() -> bool:
+    """MESHLLM_DEVICE_DRAFTS=0 turns device-fed steps off (benchmarks compare both)."""
+    return os.environ.get("MESHLLM_DEVICE_DRAFTS", "1") != "0"
+
+
+@dataclass
+class FedPlan:
+    width: int                 # q: tokens per row (1 + the most drafts)
+    ks: dict[str, int]         # request id -> drafts it may get (<= width - 1)
+
+
+@dataclass
+class FedStep:
+    """What resolving a device-fed step needs besides its sampled tokens."""
+    drafts: torch.Tensor | list   # [n, q - 1] host copy of the drafts each row verified (NO_DRAFT pad)
+    rows: list[tuple[int, int]]   # per row: (offset of its sampled tokens, how many)
+    ks: list[int]
+
+
+def eligible(st) -> bool:
+    cfg = st.sampling
+    return not cfg.has_penalties and st.matcher is None and st.num_output_tokens >= cfg.min_tokens
+
+
+def fed_plan(runner, plan) -> FedPlan | None:
+    """Run this plan as a device-fed step? Decided before the plan is validated (no state is
+    touched): anything unusual answers None and the plan takes the host path."""
+    spec = runner.spec
+    dev = getattr(spec, "device", None)
+    if (dev is None or runner.tp_spec is not None or not runner.overlap or len(runner._unresolved) != 1
+            or plan.invalid or plan.new_requests or not plan.cached_requests):
+        return None
+    bs = runner.block_size
+    limit = runner.model.max_model_len
+    if runner.gpu is not None:
+        limit = min(limit, runner.gpu.max_blocks * bs)
+    rows, live, new_slots = [], False, 0
+    for r in plan.cached_requests:
+        st = runner.requests.get(r.request_id)
+        if st is None or r.num_scheduled_tokens != 1 or not eligible(st):
+            return None
+        start = max(r.num_computed_tokens, st.num_computed_tokens)
+        if start + 1 != st.num_known:
+            return None
+        if st.spec_pending and not st.dev_live:   # a host verify run's end: only the host can say
+            return None
+        live |= st.dev_live and st.num_pending > 0
+        new_slots += r.request_id not in dev.slot
+        p_hi = start + st.dev_slack                  # the furthest the row's known token can be
+        cap = min((len(st.block_ids) + len(r.new_block_ids)) * bs, limit)
+        rows.append((r.request_id, min(r.num_spec_tokens, cap - 1 - p_hi), p_hi))
+    if new_slots > len(dev._free):
+        return None
+    n = len(rows)
+    widths = [w for w in _widths(runner, n) if all(p + w <= limit for _, _, p in rows)]
+    if not widths:
+        return None
+    width = _choose_width(spec, rows, n, widths)
+    if width == 1 and not live:      # nothing to draft and nothing to feed: a plain overlapped step
+        return None
+    return FedPlan(width, {rid: max(0, min(width - 1, room)) for rid, room, _ in rows})
+
+
+def _widths(runner, n: int) -> list[int]:
+    k = runner.spec.cfg.num_speculative_tokens
+    if runner.gpu is None:
+        return list(range(1, k + 2))
+    if n > MAX_FED_ROWS:
+        return [1]
+    from services.worker.gpu_verify import verify_widths   # imports triton: GPU only
+    return [1, *verify_widths(k)]
+
+
+def _choose_width(spec, rows: list[tuple[str, int, int]], n: int, widths: list[int]) -> int:
+    """The width with the most emitted tokens per second (the j-th draft of a request with
+    acceptance a and hit rate h is worth h * a^j tokens); 1 unless a width gains MIN_GAIN."""
+    fixed = spec.cfg.fixed_k(n)
+    if fixed is not None:
+        return next((w for w in widths if w >= fixed + 1), widths[-1]) if fixed else 1
+    if spec.spec_cost is None:        # not calibrated: draft fully
+        return widths[-1]
+    acc = spec.acceptance
+    vals = [(acc.hit(rid), acc.rate(rid), room) for rid, room, _ in rows]
+    plain = n / (spec.plain_cost or spec.spec_cost).cost(n)
+    best_w, best = 1, MIN_GAIN * plain
+    for w in widths:
+        if w == 1:
+            continue
+        gain = sum(h * sum(a ** j for j in range(1, min(w - 1, room) + 1)) for h, a, room in vals)
+        rate = (n + gain) / spec.spec_cost.cost(n * w, n)
+        if rate > best:
+            best_w, best = w, rate
+    return best_w
+
+
+@torch.inference_mode()
+def launch(runner, scheduled, fed: FedPlan):
+    """Propose on the device, run the step fed from the device, sample, append the accepted
+    tokens on the device -> (the sampler's handle, the FedStep to resolve it with); nothing waits
+    for the device."""
+    from services.worker.sampling import SampleRow, sample_async, to_device
+    dev = runner.spec.device
+    device = runner.model.device
+    q = fed.width
+    n = len(scheduled)
+    sync, slots, ks = [], [], []
+    for s in scheduled:
+        st = s.state
+        rid = st.request_id
+        slots.append(dev.assign(rid))
+        ks.append(fed.ks[rid])
+        if not st.dev_live:
+            sync.append((rid, st.token_ids, st.pending_row if st.num_pending else -1))
+    dev.sync(sync, runner.gpu.prev_tokens if runner.gpu is not None else runner._cpu_prev)
+    slots_t = to_device(slots, torch.long, device)
+    span = max(len(s.state.token_ids) + s.state.num_pending + s.state.dev_slack for s in scheduled) + 1
+    drafts, length = dev.propose(slots_t, to_device(ks, torch.long, device), q - 1, span)
+    tok0 = dev.inputs(slots_t, length)
+    if runner.gpu is not None:
+        from services.worker.gpu_fed import run_fed   # imports triton: GPU only
+        caps = [min(len(s.state.block_ids) * runner.block_size, runner.model.max_model_len) for s in scheduled]
+        logits = run_fed(runner.gpu, [s.state.block_ids for s in scheduled], caps, tok0, drafts, length, q)
+        offsets = [(i * q, q) for i in range(n)]
+        d_host = drafts.to("cpu", non_blocking=True) if device.type == "cuda" else drafts.clone()
+    else:
+        logits, offsets, d_host = _forward_cpu(runner, scheduled, tok0, drafts, length)
+    # Random rows draw at position p + 1 + j; the host knows p up to the last fed step's drafts.
+    shift = (length - 1 - to_device([s.start for s in scheduled], torch.long, device))
+    rows = [None] * sum(w for _, w in offsets)
+    for i, (s, (off, w)) in enumerate(zip(scheduled, offsets)):
+        st = s.state
+        done = st.num_output_tokens + st.num_pending
+        rows[off:off + w] = [SampleRow(st.sampling, [], done + j, st.base_seed, position=s.start + 1 + j,
+                                       window=st.dev_slack, shift=shift[i:i + 1]) for j in range(w)]
+    handle = sample_async(logits, rows, runner.model.cfg.eos_token_ids)
+    sampled = handle.device_tokens
+    if runner.gpu is None:   # packed rows -> [n, q], NO_DRAFT where a row ran fewer
+        grid = torch.full((n * q,), -1, dtype=torch.long)
+        dest = [0] * len(rows)
+        for i, (off, w) in enumerate(offsets):
+            dest[off:off + w] = range(i * q, i * q + w)
+        grid.index_copy_(0, torch.tensor(dest, dtype=torch.long), sampled)
+        sampled = grid
+    dev.commit(slots_t, drafts, sampled.view(n, q))
+    for s, k in zip(scheduled, ks):
+        st = s.state
+        st.num_computed_tokens = s.start + 1       # a lower bound until the step is read
+        st.num_pending += 1
+        st.pending_row = -1
+        st.spec_pending = st.dev_live = True
+        st.dev_slack = k
+    runner.spec.fed()
+    if any(ks):
+        runner.spec.stepped()
+    return handle, FedStep(d_host, offsets, ks)
+
+
+def _forward_cpu(runner, scheduled, tok0, drafts, length):
+    """The CPU twin: the device's choices read back (free on a CPU) and run packed through the
+    reference forward -> (logits of every row, (offset, count) per row, drafts)."""
+    from services.worker.attention import SeqSchedule
+    p_all, t_all, d_all = (length - 1).tolist(), tok0.tolist(), drafts.tolist()
+    rows = []
+    for s, p, t, d in zip(scheduled, p_all, t_all, d_all):
+        cap = min(len(s.state.block_ids) * runner.block_size, runner.model.max_model_len)
+        p = min(p, cap - 1)      # only a finished request's step in flight can be past its end
+        rows.append((s.state.block_ids, p, [t, *[x for x in d if x >= 0][:max(0, cap - 1 - p)]]))
+    ids, positions, seqs, offsets = [], [], [], [None] * len(rows)
+    # Single-token sequences first (attention.py's order).
+    for i in sorted(range(len(rows)), key=lambda i: len(rows[i][2]) != 1):
+        blocks, p, toks = rows[i]
+        offsets[i] = (len(ids), len(toks))
+        ids.extend(toks)
+        positions.extend(range(p, p + len(toks)))
+        seqs.append(SeqSchedule(blocks, p, len(toks)))
+    logits, _ = runner._forward_reference(ids, positions, seqs, list(range(len(ids))))
+    return logits, offsets, drafts.clone()
+
+
+def resolve(runner, step, tokens) -> None:
+    """Read a device-fed step into the requests' host state (runner._resolve's twin)."""
+    fed = step.fed
+    d_all = fed.drafts.tolist() if isinstance(fed.drafts, torch.Tensor) else fed.drafts
+    spec = runner.spec
+    for s, (off, w), d, k in zip(step.sampling_seqs, fed.rows, d_all, fed.ks):
+        st = s.state
+        rid = st.request_id
+        toks = tokens[off:off + w]
+        drafts = []
+        for x in d[:w - 1]:
+            if x < 0:
+                break
+            drafts.append(x)
+        a = accepted_prefix(drafts, [t.token_id for t in toks])
+        toks = toks[:a + 1]
+        s.drafts = drafts                      # what this row verified (SampledOutput.num_draft_tokens)
+        if k:
+            spec.acceptance.found(rid, bool(drafts))
+        if drafts:
+            spec.observe(rid, len(drafts), a)
+        st.num_pending -= 1
+        st.spec_pending = st.num_pending > 0   # a later step in flight is device-fed too
+        if not st.num_pending:
+            st.dev_slack = 0
+        for tok in toks:
+            st.token_ids.append(tok.token_id)
+            st.num_output_tokens += 1
+        if runner.requests.get(rid) is st:     # not finished (or preempted and started again) since
+            spec.extend(rid, [t.token_id for t in toks])
+            if rid in spec.device.synced:      # the device row holds exactly these tokens
+                spec.device.synced[rid] = len(st.token_ids)
+        st.num_computed_tokens = max(st.num_computed_tokens, len(st.token_ids) + st.num_pending - 1)
+        step.sampled[rid] = toks

@@ -1,0 +1,169 @@
+"""Device-fed speculative steps (spec/device_steps.py, spec/device_ngram.py, gpu_fed.py): n-gram
+drafts proposed on the device from the device's copy of each request's tokens, the step's
+positions and slots fed from the device's lengths, the accepted tokens appended there behind the
+sampler. With async scheduling (two steps in flight) speculating steps keep their overlap, and
+tokens and logprobs stay exactly plain decoding's: greedy and seeded random rows, chunked
+prefill, preemptions, prefix caching, the executor's stride-q layout."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from services.common import pb  # noqa: E402
+from services.common.spec_config import parse_spec_config  # noqa: E402
+from services.worker.models import load_model  # noqa: E402
+from services.worker.spec.device_ngram import NO_DRAFT, DeviceNgram  # noqa: E402
+from services.worker.spec.ngram import NgramProposer  # noqa: E402
+from tests.overlap_driver import BLOCK, run  # noqa: E402
+from tests.unit.tiny_llama import make_tiny_llama  # noqa: E402
+from tests.unit.test_spec_decoding import repetitive  # noqa: E402
+
+NGRAM = parse_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                           "prompt_lookup_max": 3})
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_tiny_llama(tmp_path_factory.mktemp("tiny-fed"), seed=7))
+
+
+def test_device_proposals_equal_the_host_proposers_on_random_streams():
+    rng = random.Random(1)
+    for _ in range(200):
+        n_min = rng.randint(1, 3)
+        n_max = rng.randint(n_min, 5)
+        dev = DeviceNgram(n_min, n_max, 64, 6, 4, CPU)
+        streams = [[rng.randint(0, 4) for _ in range(rng.randint(1, 40))] for _ in range(3)]
+        for i, toks in enumerate(streams):
+            dev.assign(f"r{i}")
+        dev.sync([(f"r{i}", toks, -1) for i, toks in enumerate(streams)], torch.zeros(1, dtype=torch.long))
+        ks = [rng.randint(0, 5) for _ in streams]
+        drafts, length = dev.propose(torch.tensor([dev.slot[f"r{i}"] for i in range(3)]), torch.tensor(ks), 5, 64)
+        for i, toks in enumerate(streams):
+            want = NgramProposer(n_min, n_max, toks).propose(ks[i])
+            row = drafts[i].tolist()
+            assert row[:len(want)] == want and all(x == NO_DRAFT for x in row[len(want):])
+            assert length[i] == len(toks)
+
+
+def test_commit_appends_the_accepted_drafts_and_the_token_after_them():
+    dev = DeviceNgram(1, 2, 32, 4, 2, CPU)
+    dev.assign("a"), dev.assign("b")
+    prev = torch.tensor([0, 9, 0])
+    dev.sync([("a", [1, 2, 3], -1), ("b", [5, 6], 1)], prev)   # b's pending token 9 is prev_tokens[1]
+    slots = torch.tensor([dev.slot["a"], dev.slot["b"]])
+    drafts = torch.tensor([[4, 5, 6], [7, NO_DRAFT, NO_DRAFT]])
+    sampled = torch.tensor([[4, 5, 8, 1], [3, 2, 2, 2]])          # a: 2 accepted then 8; b: 0 accepted, then 3
+    acc = dev.commit(slots, drafts, sampled)
+    assert acc.tolist() == [2, 0]
+    _, length = dev.propose(slots, torch.tensor([0, 0]), 1, 32)
+    assert length.tolist() == [6, 4]
+    assert dev.inputs(slots, length).tolist() == [8, 3]
+    assert dev.hist[dev.slot["b"], dev.lead:dev.lead + 4].tolist() == [5, 6, 9, 3]
+    # A released row is filled again from the host when a request takes it.
+    dev.release("a")
+    assert dev.assign("c") == slots[0].item() and dev.synced["c"] == 0
+
+
+def greedy_and_seeded(n: int) -> list[pb.common.SamplingParams]:
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(pb.common.SamplingParams(ignore_eos=True, logprobs=2))
+        elif i % 3 == 1:
+            out.append(pb.common.SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, ignore_eos=True))
+        else:
+            out.append(pb.common.SamplingParams(ignore_eos=True))
+    return out
+
+
+def _executor(model):
+    from services.worker.gpu_exec import GpuExecutor
+    return lambda r: GpuExecutor(model, r.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None)
+
+
+@pytest.mark.parametrize("layout", ["reference", "executor"])
+def test_device_fed_steps_give_plain_decodings_tokens_and_logprobs_and_keep_the_overlap(model, layout):
+    if layout == "executor":
+        pytest.importorskip("triton")
+    executor = _executor(model) if layout == "executor" else None
+    n, new = (3, 10) if executor else (4, 16)
+    ps, sps = repetitive(n), greedy_and_seeded(n)
+    want, want_lp, _, _ = run(model, ps, sps, overlap=False, new_tokens=new)
+    got, got_lp, s, depth = run(model, ps, sps, overlap=True, new_tokens=new, spec=NGRAM, executor=executor)
+    assert got == want
+    assert all(len(v) == new for v in got.values()), "exactly max_tokens"
+    for rid in want_lp:
+        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=1e-5)
+    spec = s.runner.spec
+    assert spec.fed_steps > 0 and spec.drafted > 0
+    assert depth == 2, "speculating steps keep two steps in flight"
+
+
+def test_device_fed_steps_with_chunked_prefill_preemption_and_prefix_caching(model):
+    ps = repetitive(6) + repetitive(2)      # the last two repeat earlier prompts: prefix-cache hits
+    sps = greedy_and_seeded(8)
+    want, _, _, _ = run(model, ps, sps, overlap=True, new_tokens=20, num_blocks=64, budget=16)
+    got, _, s, _ = run(model, ps, sps, overlap=True, new_tokens=20, num_blocks=14, budget=16,
+                       prefix_caching=True, spec=NGRAM)
+    assert s.num_preemptions > 0
+    assert got == want
+    assert s.runner.spec.fed_steps > 0
+
+
+def test_penalised_rows_take_the_host_path_and_the_device_path_can_be_turned_off(model, monkeypatch):
+    ps = repetitive(3)
+    pen = [pb.common.SamplingParams(repetition_penalty=1.3, ignore_eos=True)] * 3
+    want, _, _, _ = run(model, ps, pen, overlap=False, new_tokens=12)
+    got, _, s, _ = run(model, ps, pen, overlap=True, new_tokens=12, spec=NGRAM)
+    assert got == want and s.runner.spec.fed_steps == 0
+    monkeypatch.setenv("MESHLLM_DEVICE_DRAFTS", "0")
+    sps = greedy_and_seeded(3)
+    want, _, _, _ = run(model, ps, sps, overlap=False, new_tokens=12)
+    got, _, s, _ = run(model, ps, sps, overlap=True, new_tokens=12, spec=NGRAM)
+    assert got == want and s.runner.spec.device is None and s.runner.spec.fed_steps == 0
+
+
+def test_smollm2_copying_a_passage_accepts_most_device_drafts_in_overlapped_steps(smollm2_dir):
+    """A real model asked to copy text, greedy and seeded random: the device's n-gram drafts are
+    mostly accepted (so positions really move by the accepted count on the device, and random rows
+    draw from the shifted position's seed), and the tokens are plain decoding's."""
+    from tokenizers import Tokenizer
+    smol = load_model(smollm2_dir)
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    passage = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step."
+    prompt = tok.encode(f"<|im_start|>user\nRepeat exactly: {passage}<|im_end|>\n<|im_start|>assistant\n").ids
+    spec = parse_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    sps = [pb.common.SamplingParams(ignore_eos=True),
+           pb.common.SamplingParams(temperature=1.0, seed=5, ignore_eos=True, logprobs=1)]
+    want, want_lp, _, _ = run(smol, [prompt, prompt], sps, overlap=False, new_tokens=24, num_blocks=32)
+    got, got_lp, s, depth = run(smol, [prompt, prompt], sps, overlap=True, new_tokens=24, num_blocks=32, spec=spec)
+    assert got == want
+    assert got_lp["r1"] == pytest.approx(want_lp["r1"], abs=1e-4)
+    d = s.runner.spec
+    assert d.fed_steps > 0 and depth == 2
+    assert d.drafted > 0 and d.accepted / d.drafted > 0.5, (d.drafted, d.accepted)
+
+
+def test_a_windowed_row_draws_with_the_seed_of_the_position_its_device_shift_picks():
+    """Random rows of a device-fed step: the host knows the draw's position only up to the last
+    step's accepted count; the shift (on the device) picks the noise of the true position."""
+    from services.worker.plan import SamplingConfig
+    from services.worker.sampling import SampleRow, sample_async
+    cfg = SamplingConfig(temperature=1.0)
+    logits = torch.zeros(1, 50)            # uniform: the draw is the noise alone
+    differ = 0
+    for seed in range(20):
+        want = sample_async(logits.clone(), [SampleRow(cfg, [], 0, seed, position=12)]).result()[0].token_id
+        got = sample_async(logits.clone(), [SampleRow(cfg, [], 0, seed, position=10, window=3,
+                                                      shift=torch.tensor([2]))]).result()[0].token_id
+        at_lo = sample_async(logits.clone(), [SampleRow(cfg, [], 0, seed, position=10)]).result()[0].token_id
+        assert got == want
+        differ += at_lo != want
+    assert differ > 10, "the shift matters"
