@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -58,6 +59,8 @@ TASKS = ["Repeat the following text exactly:\n{}", "Fix any typos and return the
          "Copy this text, word for word:\n{}"]
 METHODS = {"off": None,
            "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+           # the same proposer, drafting on the host after the previous step is read (no device-fed steps)
+           "ngram_host": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
            "suffix": {"method": "suffix", "num_speculative_tokens": 4},
            # the draft model's directory is filled in by main(): --draft-model, or the model drafting for itself
            "draft_model": {"method": "draft_model", "num_speculative_tokens": 4}}
@@ -226,6 +229,7 @@ def main() -> int:
                 spec_json = {**spec_json, "model": draft_dir}
             spec = parse_spec_config(spec_json) if spec_json else None
             runner.spec = None
+            os.environ["MESHLLM_DEVICE_DRAFTS"] = "0" if method.endswith("_host") else "1"
             if spec is not None:
                 draft = None
                 if spec.method == "draft_model":
@@ -244,7 +248,7 @@ def main() -> int:
             row = {"concurrency": conc, "method": method, "requests": n, "output_tokens": tokens, "seconds": secs,
                    "output_tok_per_s": tokens / secs, "steps": steps}
             if runner.spec is not None:
-                row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted,
+                row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted, device_fed_steps=runner.spec.fed_steps,
                            acceptance=runner.spec.accepted / max(1, runner.spec.drafted))
             if base is None:
                 base = (outs, row["output_tok_per_s"], tops)

@@ -90,8 +90,10 @@ def test_the_draft_models_graph_fed_steps_give_its_eager_drafts(tiny_dir):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_the_speculating_loop_on_cuda_replays_verify_graphs_and_stops_at_max_tokens(tiny_dir, model, method):
-    if method == "ngram":
+def test_the_speculating_loop_on_cuda_replays_verify_graphs_and_stops_at_max_tokens(tiny_dir, model, method,
+                                                                                    monkeypatch):
+    if method == "ngram":   # the host proposer's verify steps (device-fed ones: test_spec_device_gpu.py)
+        monkeypatch.setenv("MESHLLM_DEVICE_DRAFTS", "0")
         spec, draft = NGRAM, None
     else:
         spec = parse_spec_config({"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_dir),
