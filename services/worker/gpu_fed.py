@@ -1,6 +1,7 @@
 """A device-fed step on the GPU executor (spec/device_steps.py): the host stages only the block
-tables and the layout; the input ids, positions, KV slots and context lengths of the real rows are
-written on the device from the device's own lengths, then the step replays the verify graph of
+tables and the layout; one kernel (kernels/spec_fed.feed) proposes each row's n-gram drafts and
+writes the real rows' input ids, positions, KV slots and context lengths from the device's own
+lengths, then the step replays the verify graph of
 (batch, q) (gpu_verify.py's stride-q layout) or, at q = 1, the decode graph of its batch; without
 one it runs the same layout eagerly (the CPU twin in tests, under the Triton interpreter).
 
@@ -16,7 +17,6 @@ from services.worker.attention import SeqSchedule
 from services.worker.gpu_staging import fill_tables
 from services.worker.gpu_verify import VERIFY_BUCKETS
 from services.worker.models.llama_triton import compute_logits_triton
-from services.worker.sampling import to_device
 
 
 def _stage(ex, tables: list[list[int]], caps: list[int], b: int, q: int) -> None:
@@ -39,11 +39,13 @@ def _stage(ex, tables: list[list[int]], caps: list[int], b: int, q: int) -> None
     st.record()
 
 
-def run_fed(ex, tables: list[list[int]], caps: list[int], tok0: torch.Tensor, drafts: torch.Tensor,
-            length: torch.Tensor, q: int) -> torch.Tensor:
-    """tables / caps: each row's block ids and how many positions they (and max_model_len) allow;
-    tok0 [n], drafts [n, q - 1] (< 0: none), length [n] on the device -> float32 logits [n * q, V]
-    (row i's j-th token at i * q + j)."""
+def run_fed(ex, dev, tables: list[list[int]], caps: list[int], meta: torch.Tensor,
+            q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dev: the spec.device_ngram.DeviceNgram; tables / caps: each row's block ids and how many
+    positions they (and max_model_len) allow; meta [4, n] long on the device (slot, drafts wanted,
+    cap, start_lo per row) -> (float32 logits [n * q, V], row i's j-th token at i * q + j; the
+    drafts [n, q - 1], -1 where none; each row's position shift past start_lo [n])."""
+    from services.worker.kernels.spec_fed import feed
     n = len(tables)
     graph = None
     if q == 1:
@@ -55,24 +57,11 @@ def run_fed(ex, tables: list[list[int]], caps: list[int], tok0: torch.Tensor, dr
     if entry is not None:
         graph, logits = entry
     _stage(ex, tables, caps, b, q)
-    dev = tok0.device
-    bs = ex.block_size
-    p = length - 1
-    pos = p[:, None] + torch.arange(q, device=dev)[None, :]                          # [n, q]
-    cap = to_device(caps, torch.long, dev)[:, None]
-    ok = pos < cap
-    pos = torch.minimum(pos, cap - 1)
-    blk = ex.tables[:n].long().gather(1, pos // bs)
-    v = ex.i64[:4 * b * q].view(4, b, q)
-    v[0, :n, 0] = tok0
-    if q > 1:
-        v[0, :n, 1:] = drafts.clamp(min=0)
-    v[1, :n] = pos
-    v[2, :n] = torch.where(ok, blk * bs + pos % bs, -1)
-    v[3, :n] = -1
-    ex.lens[:n] = (p + q).clamp(max=ex.max_blocks * bs).to(torch.int32)
+    drafts, shift = feed(dev.hist, dev.hlen, meta, ex.tables, ex.i64[:4 * b * q].view(4, b * q), ex.lens,
+                         lead=dev.lead, n_min=dev.n_min, n_max=dev.n_max, q=q, block_size=ex.block_size,
+                         limit=ex.max_blocks * ex.block_size)
     if graph is not None:
         graph.replay()
     else:
         logits = compute_logits_triton(ex.model, ex._forward(b * q, b, ex._attn(b * q, b, q)))
-    return logits[:n * q]
+    return logits[:n * q], drafts, shift

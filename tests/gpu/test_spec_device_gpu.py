@@ -1,7 +1,7 @@
 """Device-fed speculative steps on CUDA (spec/device_steps.py, gpu_fed.py): with two steps in
 flight, n-gram drafts proposed on the device replay the verify (and decode) CUDA graphs with
 positions, slots and context lengths written on the device, and the tokens (greedy and seeded) are
-plain decoding's (float32, so batch shapes cannot flip a near-tie)."""
+plain decoding's (float32, so batch shapes cannot flip a near-tie; logprobs within TF32)."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +39,7 @@ def test_device_fed_steps_replay_graphs_and_give_plain_decodings_tokens(model, m
     got, got_lp, s, depth = run(model, ps, sps, overlap=True, new_tokens=32, spec=NGRAM)
     assert got == want
     for rid in want_lp:
-        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=1e-4)
+        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=5e-3)   # TF32 dots of other shapes
     d = s.runner.spec
     assert d.fed_steps > 0 and d.drafted > 0 and depth == 2
     assert not eager, "every device-fed step replayed a captured graph"

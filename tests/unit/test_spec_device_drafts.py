@@ -167,3 +167,55 @@ def test_a_windowed_row_draws_with_the_seed_of_the_position_its_device_shift_pic
         assert got == want
         differ += at_lo != want
     assert differ > 10, "the shift matters"
+
+
+def test_the_feed_and_commit_kernels_equal_their_torch_twins():
+    """kernels/spec_fed.py under the interpreter against device_ngram.py's propose / inputs / commit:
+    drafts, the stride-q layout's ids, positions, KV slots (-1 past a row's cap), context lengths,
+    shifts, and the rows after the commit."""
+    pytest.importorskip("triton")
+    from services.worker.kernels.spec_fed import commit, feed
+    rng = random.Random(5)
+    bs, mb, q = 4, 16, 4
+    for trial in range(6):
+        n_min = rng.randint(1, 2)
+        n_max = rng.randint(n_min, 4)
+        twins = [DeviceNgram(n_min, n_max, 60, q, 4, CPU) for _ in range(2)]
+        streams = [[rng.randint(0, 3) for _ in range(rng.randint(1, 50))] for _ in range(3)]
+        for dev in twins:
+            for i in range(3):
+                dev.assign(f"r{i}")
+            dev.sync([(f"r{i}", t, -1) for i, t in enumerate(streams)], torch.zeros(1, dtype=torch.long))
+        slots = [twins[0].slot[f"r{i}"] for i in range(3)]
+        ks = [rng.randint(0, q - 1) for _ in range(3)]
+        caps = [len(t) + rng.randint(0, q) for t in streams]        # some rows run past their cap
+        starts = [len(t) - 1 - rng.randint(0, 1) for t in streams]
+        tables = torch.randint(0, 99, (3, mb), dtype=torch.int32)
+        rows = torch.zeros(4, 3 * q, dtype=torch.long)
+        lens = torch.zeros(3, dtype=torch.int32)
+        meta = torch.tensor([slots, ks, caps, starts], dtype=torch.long)
+        drafts, shift = feed(twins[0].hist, twins[0].hlen, meta, tables, rows, lens, lead=twins[0].lead,
+                             n_min=n_min, n_max=n_max, q=q, block_size=bs, limit=mb * bs)
+        t_drafts, length = twins[1].propose(torch.tensor(slots), torch.tensor(ks), q - 1, 64)
+        assert torch.equal(drafts, t_drafts), trial
+        p = length - 1
+        assert torch.equal(shift, p - torch.tensor(starts))
+        assert torch.equal(lens, (p + q).to(torch.int32))
+        pos = p[:, None] + torch.arange(q)
+        cap = torch.tensor(caps)[:, None]
+        want_pos = torch.minimum(pos, cap - 1)
+        blk = tables.long().gather(1, want_pos // bs)
+        assert torch.equal(rows[1].view(3, q), want_pos)
+        assert torch.equal(rows[2].view(3, q), torch.where(pos < cap, blk * bs + want_pos % bs, -1))
+        tok0 = twins[1].inputs(torch.tensor(slots), length)
+        assert torch.equal(rows[0].view(3, q), torch.cat([tok0[:, None], t_drafts.clamp(min=0)], 1))
+        assert (rows[3] == -1).all()
+        sampled = torch.where(torch.rand(3, q) < 0.6, torch.cat([t_drafts, torch.zeros(3, 1, dtype=torch.long)], 1),
+                              torch.randint(0, 3, (3, q)))
+        commit(twins[0].hist, twins[0].hlen, meta[0].clone(), drafts, sampled.contiguous(), lead=twins[0].lead,
+               max_len=60)
+        twins[1].commit(torch.tensor(slots), t_drafts, sampled)
+        assert torch.equal(twins[0].hlen, twins[1].hlen)
+        for s, n_tok in zip(slots, twins[1].hlen[slots].tolist()):
+            lead = twins[0].lead
+            assert torch.equal(twins[0].hist[s, :lead + n_tok], twins[1].hist[s, :lead + n_tok])

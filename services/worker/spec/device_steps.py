@@ -145,20 +145,22 @@ def launch(runner, scheduled, fed: FedPlan):
         if not st.dev_live:
             sync.append((rid, st.token_ids, st.pending_row if st.num_pending else -1))
     dev.sync(sync, runner.gpu.prev_tokens if runner.gpu is not None else runner._cpu_prev)
-    slots_t = to_device(slots, torch.long, device)
-    span = max(len(s.state.token_ids) + s.state.num_pending + s.state.dev_slack for s in scheduled) + 1
-    drafts, length = dev.propose(slots_t, to_device(ks, torch.long, device), q - 1, span)
-    tok0 = dev.inputs(slots_t, length)
-    if runner.gpu is not None:
+    starts = [s.start for s in scheduled]
+    if runner.gpu is not None:   # one kernel proposes and writes the inputs (gpu_fed.py)
         from services.worker.gpu_fed import run_fed   # imports triton: GPU only
         caps = [min(len(s.state.block_ids) * runner.block_size, runner.model.max_model_len) for s in scheduled]
-        logits = run_fed(runner.gpu, [s.state.block_ids for s in scheduled], caps, tok0, drafts, length, q)
+        meta = to_device([*slots, *ks, *caps, *starts], torch.long, device).view(4, n)
+        slots_t = meta[0]
+        logits, drafts, shift = run_fed(runner.gpu, dev, [s.state.block_ids for s in scheduled], caps, meta, q)
         offsets = [(i * q, q) for i in range(n)]
         d_host = drafts.to("cpu", non_blocking=True) if device.type == "cuda" else drafts.clone()
-    else:
-        logits, offsets, d_host = _forward_cpu(runner, scheduled, tok0, drafts, length)
+    else:   # the torch twin, read back (free on a CPU) and run through the reference forward
+        slots_t = to_device(slots, torch.long, device)
+        span = max(len(s.state.token_ids) + s.state.num_pending + s.state.dev_slack for s in scheduled) + 1
+        drafts, length = dev.propose(slots_t, to_device(ks, torch.long, device), q - 1, span)
+        logits, offsets, d_host = _forward_cpu(runner, scheduled, dev.inputs(slots_t, length), drafts, length)
+        shift = length - 1 - to_device(starts, torch.long, device)
     # Random rows draw at position p + 1 + j; the host knows p up to the last fed step's drafts.
-    shift = (length - 1 - to_device([s.start for s in scheduled], torch.long, device))
     rows = [None] * sum(w for _, w in offsets)
     for i, (s, (off, w)) in enumerate(zip(scheduled, offsets)):
         st = s.state
@@ -174,7 +176,11 @@ def launch(runner, scheduled, fed: FedPlan):
             dest[off:off + w] = range(i * q, i * q + w)
         grid.index_copy_(0, torch.tensor(dest, dtype=torch.long), sampled)
         sampled = grid
-    dev.commit(slots_t, drafts, sampled.view(n, q))
+    if runner.gpu is not None:
+        from services.worker.kernels.spec_fed import commit   # imports triton: GPU only
+        commit(dev.hist, dev.hlen, slots_t, drafts, sampled.view(n, q), lead=dev.lead, max_len=dev.max_len)
+    else:
+        dev.commit(slots_t, drafts, sampled.view(n, q))
     for s, k in zip(scheduled, ks):
         st = s.state
         st.num_computed_tokens = s.start + 1       # a lower bound until the step is read
