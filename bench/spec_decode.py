@@ -70,6 +70,9 @@ def chat_ids(tok, text: str) -> list[int]:
     return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
 
 
+PROFILE: dict[str, list[float]] = {}   # host seconds per submit (device-fed or not) and per collect
+
+
 def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurrency: int, spec_tokens: int,
           eos: frozenset[int], block_size: int, logprobs: int = 0,
           tops: dict | None = None) -> tuple[dict[str, list[int]], float, int]:
@@ -91,6 +94,7 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
             tops.setdefault(out.request_id, []).extend([(t.token_id, t.logprob) for t in lp.top]
                                                        for lp in out.logprobs)
     wired = ProtoRunner(runner)
+    PROFILE.clear()
     outputs: dict[str, list[int]] = {}
     inflight: deque = deque()
     steps = 0
@@ -99,7 +103,12 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
         if len(inflight) < 2 and s.has_work():
             plan = s.schedule()
             if not plan.is_empty():
-                inflight.append((plan, wired.submit(wire.plan_to_proto(plan).plan)))
+                msg = wire.plan_to_proto(plan).plan
+                fed = runner.spec is not None and runner.spec.fed_steps
+                t_sub = time.perf_counter()
+                inflight.append((plan, wired.submit(msg)))
+                kind = "fed" if runner.spec is not None and runner.spec.fed_steps != fed else "host"
+                PROFILE.setdefault(f"submit_{kind}_s", []).append(time.perf_counter() - t_sub)
                 steps += 1
                 if len(inflight) < 2:
                     continue
@@ -108,7 +117,9 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
                     take(out)
         if inflight:
             plan, handle = inflight.popleft()
+            t_col = time.perf_counter()
             res = wired.collect(handle)
+            PROFILE.setdefault("collect_s", []).append(time.perf_counter() - t_col)
             if res.HasField("error"):
                 raise RuntimeError(res.error.message)
             for out in s.update(plan, wire.result_from_proto(res)):
@@ -247,6 +258,7 @@ def main() -> int:
             tokens = sum(len(v) for v in outs.values())
             row = {"concurrency": conc, "method": method, "requests": n, "output_tokens": tokens, "seconds": secs,
                    "output_tok_per_s": tokens / secs, "steps": steps}
+            row["host_ms"] = {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v)} for k, v in PROFILE.items() if v}
             if runner.spec is not None:
                 row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted, device_fed_steps=runner.spec.fed_steps,
                            acceptance=runner.spec.accepted / max(1, runner.spec.drafted))

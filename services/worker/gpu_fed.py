@@ -17,6 +17,7 @@ from services.worker.attention import SeqSchedule
 from services.worker.gpu_staging import fill_tables
 from services.worker.gpu_verify import VERIFY_BUCKETS
 from services.worker.models.llama_triton import compute_logits_triton
+from services.worker.spec.device_ngram import PAD
 
 
 def _stage(ex, tables: list[list[int]], caps: list[int], b: int, q: int) -> None:
@@ -65,3 +66,23 @@ def run_fed(ex, dev, tables: list[list[int]], caps: list[int], meta: torch.Tenso
     else:
         logits = compute_logits_triton(ex.model, ex._forward(b * q, b, ex._attn(b * q, b, q)))
     return logits[:n * q], drafts, shift
+
+
+def warm_up(ex, dev, widths: list[int]) -> None:
+    """Compile the feed and commit kernels for every width (one row and several: PDL differs) at
+    start-up, on scratch rows, so no serving step stalls for a compile."""
+    from services.worker.kernels.spec_fed import commit, feed
+    for q in widths:
+        for n in (1, 2):
+            if n > ex.max_seqs:
+                continue
+            dev.hlen[:n] = 1
+            meta = torch.tensor([list(range(n)), [q - 1] * n, [ex.block_size] * n, [0] * n], dtype=torch.long,
+                                device=dev.hlen.device)
+            drafts, _ = feed(dev.hist, dev.hlen, meta, ex.tables, ex.i64[:4 * n * q].view(4, n * q), ex.lens,
+                             lead=dev.lead, n_min=dev.n_min, n_max=dev.n_max, q=q, block_size=ex.block_size,
+                             limit=ex.max_blocks * ex.block_size)
+            commit(dev.hist, dev.hlen, meta[0], drafts, torch.zeros(n, q, dtype=torch.long, device=dev.hlen.device),
+                   lead=dev.lead, max_len=dev.max_len)
+    dev.hlen.zero_()
+    dev.hist.fill_(PAD)

@@ -219,6 +219,9 @@ class ModelRunner:
             from services.worker.spec.device_ngram import DeviceNgram
             decoder.device = DeviceNgram(cfg.prompt_lookup_min, cfg.prompt_lookup_max, self.model.max_model_len,
                                          cfg.num_speculative_tokens + 1, device_steps.FED_SLOTS, self.model.device)
+            if self.gpu is not None:   # imports triton: GPU only
+                from services.worker.gpu_fed import warm_up
+                warm_up(self.gpu, decoder.device, device_steps.widths(self, 1))
         if self.gpu is not None and self.gpu.graph_sizes:
             self.graph_capture_s += self.gpu.capture_verify(decoder.cfg.num_speculative_tokens)
 

@@ -219,3 +219,18 @@ def test_the_feed_and_commit_kernels_equal_their_torch_twins():
         for s, n_tok in zip(slots, twins[1].hlen[slots].tolist()):
             lead = twins[0].lead
             assert torch.equal(twins[0].hist[s, :lead + n_tok], twins[1].hist[s, :lead + n_tok])
+
+
+def test_the_start_up_warm_up_runs_every_width_and_leaves_the_rows_clean(model):
+    pytest.importorskip("triton")
+    from services.worker.gpu_exec import GpuExecutor
+    from services.worker.gpu_fed import warm_up
+    from services.worker.runner import ModelRunner
+    from services.worker.spec.device_ngram import PAD
+    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=BLOCK)
+    runner.hello(BLOCK)
+    ex = GpuExecutor(model, runner.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None)
+    dev = DeviceNgram(1, 3, 64, 5, 4, CPU)
+    dev.hist[1, 3:9] = 7
+    warm_up(ex, dev, [1, 2, 5])
+    assert (dev.hlen == 0).all() and (dev.hist == PAD).all()

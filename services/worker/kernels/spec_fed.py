@@ -19,8 +19,8 @@ import triton.language as tl
 
 from services.worker.kernels.pdl import launch_args, wait_prior
 
-PAD = -2
-BIG = 1 << 40
+PAD = tl.constexpr(-2)
+BIG = tl.constexpr(1 << 40)
 
 
 @triton.jit

@@ -85,16 +85,17 @@ def fed_plan(runner, plan) -> FedPlan | None:
     if new_slots > len(dev._free):
         return None
     n = len(rows)
-    widths = [w for w in _widths(runner, n) if all(p + w <= limit for _, _, p in rows)]
-    if not widths:
+    ws = [w for w in widths(runner, n) if all(p + w <= limit for _, _, p in rows)]
+    if not ws:
         return None
-    width = _choose_width(spec, rows, n, widths)
+    width = _choose_width(spec, rows, n, ws)
     if width == 1 and not live:      # nothing to draft and nothing to feed: a plain overlapped step
         return None
     return FedPlan(width, {rid: max(0, min(width - 1, room)) for rid, room, _ in rows})
 
 
-def _widths(runner, n: int) -> list[int]:
+def widths(runner, n: int) -> list[int]:
+    """The verify widths a device-fed step of n rows may use (1: no drafts)."""
     k = runner.spec.cfg.num_speculative_tokens
     if runner.gpu is None:
         return list(range(1, k + 2))
