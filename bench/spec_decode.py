@@ -70,6 +70,7 @@ def chat_ids(tok, text: str) -> list[int]:
     return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
 
 
+PROFILER = None   # cProfile.Profile of the submits (--profile-submits)
 PROFILE: dict[str, list[float]] = {}   # host seconds per submit (device-fed or not) and per collect
 
 
@@ -106,7 +107,11 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
                 msg = wire.plan_to_proto(plan).plan
                 fed = runner.spec is not None and runner.spec.fed_steps
                 t_sub = time.perf_counter()
+                if PROFILER is not None:
+                    PROFILER.enable()
                 inflight.append((plan, wired.submit(msg)))
+                if PROFILER is not None:
+                    PROFILER.disable()
                 kind = "fed" if runner.spec is not None and runner.spec.fed_steps != fed else "host"
                 PROFILE.setdefault(f"submit_{kind}_s", []).append(time.perf_counter() - t_sub)
                 steps += 1
@@ -191,6 +196,8 @@ def main() -> int:
                     help="draft_model: a copy of the model keeping only its first N layers (a smaller drafter "
                          "with the same tokenizer)")
     ap.add_argument("--out", default="bench/results/spec_decode.json")
+    ap.add_argument("--profile-submits", action="store_true",
+                    help="cProfile the worker's submits of the measured runs (top functions in the JSON)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     block = 16
@@ -253,11 +260,22 @@ def main() -> int:
             # warm-up at this concurrency's own batch (graphs, allocator, the cost model's first steps)
             drive(runner, prompts[:conc], 16, conc, spec.num_speculative_tokens if spec else 0, eos, block)
             tops: dict = {}
+            global PROFILER
+            if a.profile_submits:
+                import cProfile
+                PROFILER = cProfile.Profile()
             outs, secs, steps = drive(runner, prompts, a.max_new, conc, spec.num_speculative_tokens if spec else 0,
                                       eos, block, logprobs=a.logprobs, tops=tops)
             tokens = sum(len(v) for v in outs.values())
             row = {"concurrency": conc, "method": method, "requests": n, "output_tokens": tokens, "seconds": secs,
                    "output_tok_per_s": tokens / secs, "steps": steps}
+            if PROFILER is not None:
+                import io
+                import pstats
+                buf = io.StringIO()
+                pstats.Stats(PROFILER, stream=buf).sort_stats("tottime").print_stats(25)
+                row["submit_profile"] = buf.getvalue().splitlines()[-32:]
+                PROFILER = None
             row["host_ms"] = {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v)} for k, v in PROFILE.items() if v}
             if runner.spec is not None:
                 row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted, device_fed_steps=runner.spec.fed_steps,

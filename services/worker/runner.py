@@ -150,6 +150,8 @@ class ModelRunner:
         self._unresolved: list[PendingStep] = []  # submitted, tokens not read yet (oldest first)
         self._cpu_prev = torch.zeros(0, dtype=torch.long)  # the CPU path's prev_tokens
         self._last_done_ns = 0
+        self._last_submit = 0.0                   # speculative decoding: when the last step was submitted ...
+        self._period_key: tuple[int, int] | None = None   # ... and its (rows, width) (device_steps.py)
         self.graph_capture_s = 0.0                # how long the last start-up capture took
         self.spec = None                          # spec.decoder.SpecDecoder with --speculative-config
         # Tensor parallel: the ranks agree on speculation's choices, rank 0's (tp_ranks.TpLink).
@@ -369,6 +371,8 @@ class ModelRunner:
         """Validate, apply and launch one step; returns before its tokens are read (GPU)."""
         t0 = time.perf_counter_ns()
         synced = False
+        if self.spec is not None:
+            self._time_period(t0 / 1e9)
         fed = device_steps.fed_plan(self, plan) if self.spec is not None else None
         if fed is None and self.spec is not None and spec_steps.read_first(self, plan):
             synced = True
@@ -406,8 +410,11 @@ class ModelRunner:
                 handle, fed_step = device_steps.launch(self, scheduled, fed)
                 step = PendingStep(plan.step_id, scheduled, list(scheduled), handle, t0, fed=fed_step)
                 self._unresolved.append(step)
+                self._period_key = (len(scheduled), fed.width)
             else:
                 step = self._launch(plan.step_id, scheduled, t0)
+                plain = self.spec is not None and not plan.new_requests and not any(s.drafts for s in scheduled)
+                self._period_key = (len(scheduled), 1) if plain and all(s.n == 1 for s in scheduled) else None
             if self.spec is not None and self.overlap and fed is None:
                 if not any(s.drafts for s in scheduled):
                     self.spec.host_time(time.perf_counter() - t_host)   # what a sync would expose
@@ -422,6 +429,14 @@ class ModelRunner:
             result = StepResult.failed(plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
             return PendingStep(plan.step_id, [], [], None, t0,
                                result=self._refused_tiers(plan, result, loads=not started, saves=not saved))
+
+    def _time_period(self, now: float) -> None:
+        """The last step's submit-to-submit period, for the device-fed width choice (only while
+        steps overlap: otherwise each submit waits for its own step)."""
+        key, self._period_key = self._period_key, None
+        if key is not None and self.overlap and self._last_submit:
+            self.spec.step_period(key[0], key[1], now - self._last_submit)
+        self._last_submit = now
 
     def _refused_tiers(self, plan: StepPlan, result: StepResult, loads: bool = True, saves: bool = True) -> StepResult:
         """A plan refused or failed before its kvstore fetches (saves) started: they are reported

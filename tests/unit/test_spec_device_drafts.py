@@ -234,3 +234,29 @@ def test_the_start_up_warm_up_runs_every_width_and_leaves_the_rows_clean(model):
     dev.hist[1, 3:9] = 7
     warm_up(ex, dev, [1, 2, 5])
     assert (dev.hlen == 0).all() and (dev.hist == PAD).all()
+
+
+def test_the_width_choice_follows_measured_step_periods():
+    """The calibration says width 5 pays at 32 rows (GPU time alone); once steps of that width are
+    measured to take far longer from submit to submit (the loop's host side), it says no; a width
+    whose period is forgotten is tried again."""
+    from services.worker.spec.decoder import PERIOD_REVISIT, SpecDecoder
+    from services.worker.spec.device_steps import _choose_width
+    from services.worker.spec.dynamic_k import StepCostModel, VerifyCostModel
+    spec = SpecDecoder(parse_spec_config({"method": "ngram", "num_speculative_tokens": 4}))
+    spec.plain_cost = StepCostModel([(1, 1e-3), (32, 1.2e-3)])
+    spec.spec_cost = VerifyCostModel([(32, 64, 1.3e-3), (32, 160, 1.6e-3)], plain=spec.plain_cost)
+    rows = [(f"r{i}", 4, 100) for i in range(32)]
+    for i in range(32):
+        spec.acceptance.update(f"r{i}", 8, 7)
+    assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 5
+    for _ in range(5):
+        spec.step_period(32, 1, 1.4e-3)
+        spec.step_period(32, 5, 6e-3)
+    assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 3, "width 3 not measured: the estimate stands"
+    spec.step_period(32, 3, 6e-3)
+    spec.step_period(32, 2, 6e-3)
+    assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 1
+    for _ in range(PERIOD_REVISIT):
+        spec.acceptance.tick()
+    assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 5

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 EXPLORE_ROWS = 8     # never-asked requests proposed for per step
 MAX_BACKOFF = 64     # steps: the longest wait after syncs that drafted nothing
+PERIOD_REVISIT = 256  # steps: a device-fed width's measured period is forgotten after this
 
 
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
@@ -57,6 +58,10 @@ class SpecDecoder:
         # previous step's tokens read to this one launched (resolving the previous step, the
         # proposals, a bigger build), per batch bucket (batch.bit_length()): (seconds, clock).
         self._spec_host: dict[int, tuple[float, int]] = {}
+        # Device-fed steps (device_steps.py): the measured period from a step's submit to the next
+        # one's, per (batch bucket, width) (1: no drafts): what the whole loop (scheduler included)
+        # takes for such steps, which the GPU-only calibration does not see.
+        self._period: dict[tuple[int, int], tuple[float, int]] = {}
         self._wasted = 0                 # syncs in a row whose proposals the cost model declined
         self._declined = False           # the last drafts() call declined proposals it had
         self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
@@ -264,6 +269,25 @@ class SpecDecoder:
         if age > 0:
             s += (self.plain_host_s - s) * age / REVISIT_STEPS
         return max(self.plain_host_s, s)
+
+    def step_period(self, batch: int, width: int, seconds: float) -> None:
+        """The time from a step's submit to the next one's (an EWMA per batch bucket and width;
+        one sample moves it at most 4x)."""
+        key = (batch.bit_length(), width)
+        old = self._period.get(key)
+        if old is None:
+            self._period[key] = (seconds, self.acceptance.clock)
+            return
+        seconds = min(seconds, 4 * old[0])
+        self._period[key] = (0.8 * old[0] + 0.2 * seconds, self.acceptance.clock)
+
+    def period(self, batch: int, width: int) -> float | None:
+        """The measured period of such steps, or None when not measured in PERIOD_REVISIT steps
+        (the cost model's estimate stands in, so a width that stopped paying is tried again)."""
+        entry = self._period.get((batch.bit_length(), width))
+        if entry is None or self.acceptance.clock - entry[1] >= PERIOD_REVISIT:
+            return None
+        return entry[0]
 
     # ---- cost model -------------------------------------------------------------------------
     def calibrate(self, runner, max_tokens: int = 512) -> None:

@@ -115,13 +115,17 @@ def _choose_width(spec, rows: list[tuple[str, int, int]], n: int, widths: list[i
         return widths[-1]
     acc = spec.acceptance
     vals = [(acc.hit(rid), acc.rate(rid), room) for rid, room, _ in rows]
-    plain = n / (spec.plain_cost or spec.spec_cost).cost(n)
-    best_w, best = 1, MIN_GAIN * plain
+    # Step times: measured periods where there are some (the loop's host side included), else the
+    # calibrated GPU time plus the host time plain steps are measured to add.
+    gpu_plain = (spec.plain_cost or spec.spec_cost).cost(n)
+    plain_t = spec.period(n, 1) or gpu_plain
+    extra = plain_t - gpu_plain
+    best_w, best = 1, MIN_GAIN * n / plain_t
     for w in widths:
         if w == 1:
             continue
         gain = sum(h * sum(a ** j for j in range(1, min(w - 1, room) + 1)) for h, a, room in vals)
-        rate = (n + gain) / spec.spec_cost.cost(n * w, n)
+        rate = (n + gain) / (spec.period(n, w) or spec.spec_cost.cost(n * w, n) + extra)
         if rate > best:
             best_w, best = w, rate
     return best_w
