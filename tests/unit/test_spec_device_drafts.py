@@ -260,3 +260,28 @@ def test_the_width_choice_follows_measured_step_periods():
     for _ in range(PERIOD_REVISIT):
         spec.acceptance.tick()
     assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 5
+
+
+@pytest.mark.parametrize("layout", ["reference", "executor"])
+def test_any_sequence_of_widths_gives_plain_decodings_tokens(model, monkeypatch, layout):
+    """Whatever width the cost model picks step after step (here a seeded random one: wide, one
+    token fed from the device, then a plain host step once nothing is left to feed), the tokens are
+    plain decoding's."""
+    if layout == "executor":
+        pytest.importorskip("triton")
+    import services.worker.spec.device_steps as device_steps
+    rng = random.Random(3)
+    picked = []
+
+    def pick(spec, rows, n, widths):
+        picked.append(rng.choice(widths))
+        return picked[-1]
+    monkeypatch.setattr(device_steps, "_choose_width", pick)
+    n, new = (3, 10) if layout == "executor" else (6, 20)
+    ps, sps = repetitive(n), greedy_and_seeded(n)
+    want, _, _, _ = run(model, ps, sps, overlap=False, new_tokens=new, num_blocks=64)
+    got, _, s, depth = run(model, ps, sps, overlap=True, new_tokens=new, num_blocks=24 if n == 6 else 64,
+                           budget=16, spec=NGRAM, executor=_executor(model) if layout == "executor" else None)
+    assert got == want and depth == 2
+    assert 1 in picked and max(picked) > 1
+    assert s.runner.spec.fed_steps < len(picked), "a width of 1 with nothing to feed is a plain host step"

@@ -67,7 +67,7 @@ def fed_plan(runner, plan) -> FedPlan | None:
     limit = runner.model.max_model_len
     if runner.gpu is not None:
         limit = min(limit, runner.gpu.max_blocks * bs)
-    rows, live, new_slots = [], False, 0
+    rows, must_feed, new_slots = [], False, 0
     for r in plan.cached_requests:
         st = runner.requests.get(r.request_id)
         if st is None or r.num_scheduled_tokens != 1 or not eligible(st):
@@ -77,7 +77,8 @@ def fed_plan(runner, plan) -> FedPlan | None:
             return None
         if st.spec_pending and not st.dev_live:   # a host verify run's end: only the host can say
             return None
-        live |= st.dev_live and st.num_pending > 0
+        # The end of a device-verified run: its position and token are known on the device only.
+        must_feed |= st.spec_pending
         new_slots += r.request_id not in dev.slot
         p_hi = start + st.dev_slack                  # the furthest the row's known token can be
         cap = min((len(st.block_ids) + len(r.new_block_ids)) * bs, limit)
@@ -89,7 +90,7 @@ def fed_plan(runner, plan) -> FedPlan | None:
     if not ws:
         return None
     width = _choose_width(spec, rows, n, ws)
-    if width == 1 and not live:      # nothing to draft and nothing to feed: a plain overlapped step
+    if width == 1 and not must_feed:   # nothing to draft and nothing to feed: a plain overlapped step
         return None
     return FedPlan(width, {rid: max(0, min(width - 1, room)) for rid, room, _ in rows})
 
@@ -170,9 +171,15 @@ def launch(runner, scheduled, fed: FedPlan):
     for i, (s, (off, w)) in enumerate(zip(scheduled, offsets)):
         st = s.state
         done = st.num_output_tokens + st.num_pending
-        rows[off:off + w] = [SampleRow(st.sampling, [], done + j, st.base_seed, position=s.start + 1 + j,
-                                       window=st.dev_slack, shift=shift[i:i + 1]) for j in range(w)]
-    handle = sample_async(logits, rows, runner.model.cfg.eos_token_ids)
+        if st.sampling.greedy:   # no seed, no position: one row object serves every position
+            rows[off:off + w] = [SampleRow(st.sampling, [], done, st.base_seed)] * w
+        else:
+            rows[off:off + w] = [SampleRow(st.sampling, [], done + j, st.base_seed, position=s.start + 1 + j,
+                                           window=st.dev_slack, shift=shift[i:i + 1]) for j in range(w)]
+    # Without drafts each row's token lands at a fixed row of the previous-token buffer, as a plain
+    # step's: the next step can be built on the host (its position is exact once this one's
+    # predecessor is read).
+    handle = sample_async(logits, rows, runner.model.cfg.eos_token_ids, out=runner._prev_out(n) if q == 1 else None)
     sampled = handle.device_tokens
     if runner.gpu is None:   # packed rows -> [n, q], NO_DRAFT where a row ran fewer
         grid = torch.full((n * q,), -1, dtype=torch.long)
@@ -186,12 +193,13 @@ def launch(runner, scheduled, fed: FedPlan):
         commit(dev.hist, dev.hlen, slots_t, drafts, sampled.view(n, q), lead=dev.lead, max_len=dev.max_len)
     else:
         dev.commit(slots_t, drafts, sampled.view(n, q))
-    for s, k in zip(scheduled, ks):
+    for i, (s, k) in enumerate(zip(scheduled, ks)):
         st = s.state
         st.num_computed_tokens = s.start + 1       # a lower bound until the step is read
         st.num_pending += 1
-        st.pending_row = -1
-        st.spec_pending = st.dev_live = True
+        st.pending_row = i if q == 1 else -1
+        st.spec_pending = q > 1
+        st.dev_live = True
         st.dev_slack = k
     runner.spec.fed()
     if any(ks):
@@ -243,8 +251,8 @@ def resolve(runner, step, tokens) -> None:
         if drafts:
             spec.observe(rid, len(drafts), a)
         st.num_pending -= 1
-        st.spec_pending = st.num_pending > 0   # a later step in flight is device-fed too
-        if not st.num_pending:
+        if not st.num_pending:                 # else a later step in flight set them
+            st.spec_pending = False
             st.dev_slack = 0
         for tok in toks:
             st.token_ids.append(tok.token_id)
