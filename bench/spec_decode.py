@@ -7,6 +7,10 @@ on a random-weight model where nothing is accepted (dynamic K must turn itself o
   python3 bench/spec_decode.py --gguf FILE --device cuda ...     (SmolLM2 on the GPU, from the GGUF)
   python3 bench/spec_decode.py --random-8b --device cuda --concurrency 256 --methods off,ngram
 
+Methods: off, ngram (on a GPU its steps are fed from the device: spec/device_steps.py), ngram_host
+(the same proposer with MESHLLM_DEVICE_DRAFTS=0: drafts made on the host after the previous step is
+read), suffix, draft_model. Each row reports host_ms: the mean host time of the worker's submits
+(device-fed or not) and collects; --profile-submits adds the top functions of a cProfile of them.
 Greedy outputs with speculation must equal those without (checked). Writes --out (JSON)."""
 from __future__ import annotations
 
