@@ -275,7 +275,7 @@ def test_any_sequence_of_widths_gives_plain_decodings_tokens(model, monkeypatch,
         picked.append(rng.choice(widths))
         return picked[-1]
     monkeypatch.setattr(device_steps, "_choose_width", pick)
-    n, new = (3, 10) if layout == "executor" else (6, 20)
+    n, new = (2, 8) if layout == "executor" else (6, 20)
     ps, sps = repetitive(n), greedy_and_seeded(n)
     want, _, _, _ = run(model, ps, sps, overlap=False, new_tokens=new, num_blocks=64)
     got, _, s, depth = run(model, ps, sps, overlap=True, new_tokens=new, num_blocks=24 if n == 6 else 64,
