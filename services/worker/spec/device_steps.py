@@ -4,10 +4,11 @@ step is planned before this one's acceptance is known, and the accepted count is
 the device).
 
 A step is device-fed when every row is a decode row of a request whose sampling reads no host
-token history (greedy, no penalties, no grammar, min_tokens reached) and the previous step is
-still in flight. The host decides only how many drafts each row may get (the verify width q,
-from the cost model and the acceptance measured so far: device drafts cost no sync, so none is
-priced) and the block tables; the device (spec/device_ngram.py) proposes from each request's
+token history (greedy or random; no penalties, no grammar, min_tokens reached) and the previous
+step is still in flight. The host decides only how many drafts each row may get (the verify width
+q, from the acceptance measured so far and the step times: measured submit-to-submit periods per
+width, else the calibrated cost; device drafts cost no sync, so none is priced) and the block
+tables; the device (spec/device_ngram.py) proposes from each request's
 device row, and the executor (gpu_fed.py) writes the input ids, positions, KV slots and context
 lengths from the device lengths before replaying the verify (or decode) CUDA graph. Behind the
 sampler the device appends each row's accepted drafts and bonus token to its row. The host reads
@@ -15,8 +16,11 @@ the step one step later, like any other, together with the drafts it verified.
 
 Host bookkeeping while such a step is in flight: a request's num_computed_tokens is a lower bound
 (as if nothing was accepted), `dev_slack` is the most the last fed step can have moved it, and
-the pending token sits at no fixed sample row (spec_pending), so a step built on the host reads
-the previous step first (spec/steps.read_first), as after any verify step."""
+the pending token of a step with drafts sits at no fixed sample row (spec_pending), so a step
+built on the host reads the previous step first (spec/steps.read_first), as after any verify
+step. A fed step of width 1 samples into the previous-token buffer like a plain step, so the
+step after it may be a plain overlapped host step. Random rows draw with the seed of their true
+position (sampling.SampleRow.window / shift)."""
 from __future__ import annotations
 
 import os
@@ -51,6 +55,7 @@ class FedStep:
 
 
 def eligible(st) -> bool:
+    """Can the request's rows be sampled without host tokens (no history-reading processors)?"""
     cfg = st.sampling
     return not cfg.has_penalties and st.matcher is None and st.num_output_tokens >= cfg.min_tokens
 
