@@ -120,25 +120,31 @@ def test_hello_reports_the_model_and_cache(worker, smollm2_dir):
 
 
 def test_greedy_tokens_equal_transformers_generate(worker, smollm2_dir, tokenizer):
+    import concurrent.futures as cf
+
     from transformers import AutoModelForCausalLM
     prompts = [tokenizer.encode(t).ids for t in TEXTS]
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # exactly 20 tokens, like ignore_eos
-    expected = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # spinning OpenMP threads next to the worker process are 4x slower
-    try:
-        for p in prompts:
-            with torch.no_grad():
-                out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=20, do_sample=False, pad_token_id=2)
-            expected.append(out[0, len(p):].tolist())
-    finally:
-        torch.set_num_threads(threads)
     sched = worker.scheduler(budget=64)  # prompts arrive in chunks, mixed with decodes
     for i, p in enumerate(prompts):
         sched.add(f"p{i}", p, 20)
-    got = sched.run()
+    # The worker process runs the plans (driven from a thread: only it touches the socket) while
+    # this process computes the reference on the other core.
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sched.run)
+        hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None  # exactly 20 tokens, like ignore_eos
+        expected = []
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # spinning OpenMP threads next to the worker process are 4x slower
+        try:
+            for p in prompts:
+                with torch.no_grad():
+                    out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                      max_new_tokens=20, do_sample=False, pad_token_id=2)
+                expected.append(out[0, len(p):].tolist())
+        finally:
+            torch.set_num_threads(threads)
+        got = running.result()
     assert [got[f"p{i}"] for i in range(len(prompts))] == expected
 
 
