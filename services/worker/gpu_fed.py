@@ -10,11 +10,10 @@ slots past the row's allocated blocks or max_model_len write no KV (only a step 
 request that already ended can reach there)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from services.worker.attention import SeqSchedule
-from services.worker.gpu_staging import fill_tables
+from services.worker.gpu_staging import close_layout, fill_tables, open_layout
 from services.worker.gpu_verify import VERIFY_BUCKETS
 from services.worker.models.llama_triton import compute_logits_triton
 from services.worker.spec.device_ngram import PAD
@@ -22,22 +21,10 @@ from services.worker.spec.device_ngram import PAD
 
 def _stage(ex, tables: list[list[int]], caps: list[int], b: int, q: int) -> None:
     """Padding everywhere, the real rows' block tables, qsl of the stride-q layout (async copy)."""
-    st = ex._staging[ex._turn]
-    ex._turn ^= 1
-    st.wait()
-    t = b * q
-    n64 = st.n64[:4 * t].reshape(4, t)
-    n64[0:2] = 0
-    n64[2:4] = -1
-    n = len(tables)
-    if n:
+    st, _ = open_layout(ex, b, q)
+    if tables:
         fill_tables(st, [SeqSchedule(blocks, 0, cap) for blocks, cap in zip(tables, caps)], ex.block_size)
-    st.n_lens[n:b] = 0
-    st.n_qsl[:b + 1] = np.arange(b + 1) * q
-    ex.i64[:4 * t].copy_(st.h64[:4 * t], non_blocking=True)
-    used32 = 2 * ex.max_seqs + 1 + b * ex.max_blocks
-    ex.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
-    st.record()
+    close_layout(ex, st, len(tables), b, q)
 
 
 def run_fed(ex, dev, tables: list[list[int]], caps: list[int], meta: torch.Tensor,

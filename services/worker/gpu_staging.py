@@ -28,6 +28,31 @@ def fill_tables(st: "Staging", seqs: list[SeqSchedule], bs: int) -> np.ndarray:
     return counts
 
 
+def open_layout(ex, b: int, q: int) -> tuple["Staging", np.ndarray]:
+    """The executor's next staging set for a stride-q step of b sequences (gpu_verify.py,
+    gpu_fed.py), every token padding (id 0, position 0, no KV slot, host id) -> (set, its [4, b*q]
+    i64 rows)."""
+    st = ex._staging[ex._turn]
+    ex._turn ^= 1
+    st.wait()
+    n64 = st.n64[:4 * b * q].reshape(4, b * q)
+    n64[0:2] = 0
+    n64[2:4] = -1
+    return st, n64
+
+
+def close_layout(ex, st: "Staging", n: int, b: int, q: int) -> None:
+    """Padding sequences n..b of context 0, query starts every q tokens; copy the set to the
+    executor's device buffers (asynchronous, stream-ordered)."""
+    st.n_lens[n:b] = 0
+    st.n_qsl[:b + 1] = np.arange(b + 1) * q
+    t = b * q
+    ex.i64[:4 * t].copy_(st.h64[:4 * t], non_blocking=True)
+    used32 = 2 * ex.max_seqs + 1 + b * ex.max_blocks
+    ex.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
+    st.record()
+
+
 class Staging:
     """One set of pinned host buffers mirroring the device inputs, and the event behind the
     last copy out of them."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import SeqSchedule
-from services.worker.gpu_staging import fill_tables
+from services.worker.gpu_staging import close_layout, fill_tables, open_layout
 from services.worker.models.llama_triton import compute_logits_triton
 from services.worker.sampling import to_device
 
@@ -68,13 +68,7 @@ class VerifyGraphs:
         """The executor's staging filled in the stride-q layout -> the real tokens' rows."""
         ex = self.ex
         bs = ex.block_size
-        st = ex._staging[ex._turn]
-        ex._turn ^= 1
-        st.wait()
-        t = b * q
-        n64 = st.n64[:4 * t].reshape(4, t)
-        n64[0:2] = 0
-        n64[2:4] = -1
+        st, n64 = open_layout(ex, b, q)
         n = len(seqs)
         counts = fill_tables(st, seqs, bs) if n else np.zeros(0, dtype=np.int64)
         starts = np.arange(n, dtype=np.int64) * q
@@ -88,12 +82,7 @@ class VerifyGraphs:
             seq_of_token = np.repeat(np.arange(n), counts)
             n64[2, dest] = st.n_tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
             st.n_lens[:n] += (q - counts).astype(st.n_lens.dtype)    # the padding follows the real queries
-        st.n_lens[n:b] = 0
-        st.n_qsl[:b + 1] = np.arange(b + 1) * q
-        ex.i64[:4 * t].copy_(st.h64[:4 * t], non_blocking=True)
-        used32 = 2 * ex.max_seqs + 1 + b * ex.max_blocks
-        ex.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
-        st.record()
+        close_layout(ex, st, n, b, q)
         return dest
 
     def run(self, key: tuple[int, int], ids: list[int], positions: list[int], seqs: list[SeqSchedule],
