@@ -10,7 +10,7 @@ on a random-weight model where nothing is accepted (dynamic K must turn itself o
 Methods: off, ngram (on a GPU its steps are fed from the device: spec/device_steps.py), ngram_host
 (the same proposer with MESHLLM_DEVICE_DRAFTS=0: drafts made on the host after the previous step is
 read), suffix, draft_model. Each row reports host_ms: the mean host time of the worker's submits
-(device-fed or not) and collects; --profile-submits adds the top functions of a cProfile of them.
+(device-fed or not) and collects; --profile-submits adds the top functions of a cProfile of them (submits and collects).
 Greedy outputs with speculation must equal those without (checked). Writes --out (JSON)."""
 from __future__ import annotations
 
@@ -106,7 +106,9 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
     t0 = time.perf_counter()
     while inflight or s.has_work():
         if len(inflight) < 2 and s.has_work():
+            t_s = time.perf_counter()
             plan = s.schedule()
+            PROFILE.setdefault("schedule_s", []).append(time.perf_counter() - t_s)
             if not plan.is_empty():
                 msg = wire.plan_to_proto(plan).plan
                 fed = runner.spec is not None and runner.spec.fed_steps
@@ -127,12 +129,18 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurren
         if inflight:
             plan, handle = inflight.popleft()
             t_col = time.perf_counter()
+            if PROFILER is not None:
+                PROFILER.enable()
             res = wired.collect(handle)
+            if PROFILER is not None:
+                PROFILER.disable()
             PROFILE.setdefault("collect_s", []).append(time.perf_counter() - t_col)
             if res.HasField("error"):
                 raise RuntimeError(res.error.message)
+            t_u = time.perf_counter()
             for out in s.update(plan, wire.result_from_proto(res)):
                 take(out)
+            PROFILE.setdefault("update_s", []).append(time.perf_counter() - t_u)
     if runner.model.device.type == "cuda":
         torch.cuda.synchronize()
     return outputs, time.perf_counter() - t0, steps
@@ -277,8 +285,11 @@ def main() -> int:
                 import io
                 import pstats
                 buf = io.StringIO()
-                pstats.Stats(PROFILER, stream=buf).sort_stats("tottime").print_stats(25)
-                row["submit_profile"] = buf.getvalue().splitlines()[-32:]
+                pstats.Stats(PROFILER, stream=buf).sort_stats("tottime").print_stats(40)
+                row["submit_profile"] = buf.getvalue().splitlines()[-47:]
+                buf = io.StringIO()
+                pstats.Stats(PROFILER, stream=buf).sort_stats("cumulative").print_stats(40)
+                row["submit_profile_cumulative"] = buf.getvalue().splitlines()[-47:]
                 PROFILER = None
             row["host_ms"] = {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v)} for k, v in PROFILE.items() if v}
             if runner.spec is not None:

@@ -383,6 +383,8 @@ class ModelRunner:
                 log.exception("step %d failed", plan.step_id)
                 result = StepResult.failed(plan.step_id, INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
                 return PendingStep(plan.step_id, [], [], None, t0, result=self._refused_tiers(plan, result))
+            # Everything read: the step can be device-fed again (after a host verify step's end).
+            fed = device_steps.fed_plan(self, plan)
         try:
             self._validate(plan)
         except PlanError as exc:

@@ -115,6 +115,42 @@ def test_device_fed_steps_with_chunked_prefill_preemption_and_prefix_caching(mod
     assert s.runner.spec.fed_steps > 0
 
 
+def test_decode_steps_go_back_to_the_device_after_host_verified_prefill_steps(model):
+    """Steps with prefill rows (chunked here; a request arriving while others decode) are host
+    steps, with host drafts. Outputs limited to two tokens always find an n-gram match, so every
+    host step drafts: the decode steps after them must still run fed from the device (they used
+    to stay host steps for good, each reading its predecessor first), with plain decoding's tokens."""
+    ps = repetitive(6)
+
+    def biased():
+        sp = pb.common.SamplingParams(ignore_eos=True)
+        sp.logit_bias[7] = 50.0
+        sp.logit_bias[9] = 50.0
+        return sp
+    steps = []
+
+    def watch(runner):
+        submit = runner.submit
+
+        def counted(plan):
+            before = runner.spec.fed_steps
+            out = submit(plan)
+            decode = bool(plan.cached_requests) and not plan.new_requests and all(
+                r.num_computed_tokens >= len(ps[int(r.request_id[1:])]) for r in plan.cached_requests)
+            steps.append((decode, runner.spec.fed_steps > before))
+            return out
+        runner.submit = counted
+    want, _, _, _ = run(model, ps, [biased() for _ in ps], overlap=False, new_tokens=24, budget=16)
+    got, _, s, _ = run(model, ps, [biased() for _ in ps], overlap=True, new_tokens=24, budget=16, spec=NGRAM,
+                       watch=watch)
+    assert got == want
+    host_spec = [i for i, (decode, fed) in enumerate(steps) if not decode and i + 1 < len(steps) and steps[i + 1][0]]
+    assert host_spec, "the run has prefill steps followed by decode steps"
+    decode_steps = [fed for decode, fed in steps if decode]
+    assert len(decode_steps) >= 10 and all(decode_steps), steps
+    assert s.runner.spec.drafted > 0
+
+
 def test_penalised_rows_take_the_host_path_and_the_device_path_can_be_turned_off(model, monkeypatch):
     ps = repetitive(3)
     pen = [pb.common.SamplingParams(repetition_penalty=1.3, ignore_eos=True)] * 3

@@ -4,8 +4,11 @@ step is planned before this one's acceptance is known, and the accepted count is
 the device).
 
 A step is device-fed when every row is a decode row of a request whose sampling reads no host
-token history (greedy or random; no penalties, no grammar, min_tokens reached) and the previous
-step is still in flight. The host decides only how many drafts each row may get (the verify width
+token history (greedy or random; no penalties, no grammar, min_tokens reached), at most one step
+is in flight, and no row ends a host-verified run still in flight. Such a row's step is read
+first (spec/steps.read_first) and the plan asked again: a step with prefill rows (a request
+arriving) is a host step with host drafts, and without that second ask every step after it would
+stay on the host, each one reading its predecessor before it is built. The host decides only how many drafts each row may get (the verify width
 q, from the acceptance measured so far and the step times: measured submit-to-submit periods per
 width, else the calibrated cost; device drafts cost no sync, so none is priced) and the block
 tables; the device (spec/device_ngram.py) proposes from each request's
@@ -65,7 +68,7 @@ def fed_plan(runner, plan) -> FedPlan | None:
     touched): anything unusual answers None and the plan takes the host path."""
     spec = runner.spec
     dev = getattr(spec, "device", None)
-    if (dev is None or runner.tp_spec is not None or not runner.overlap or len(runner._unresolved) != 1
+    if (dev is None or runner.tp_spec is not None or not runner.overlap or len(runner._unresolved) > 1
             or plan.invalid or plan.new_requests or not plan.cached_requests):
         return None
     bs = runner.block_size
