@@ -517,6 +517,7 @@ class ModelRunner:
             self._last_done_ns = now
         if step.fed is not None:
             device_steps.resolve(self, step, tokens)
+            self.spec.flush_metrics()
             return
         i = 0
         for s in step.sampling_seqs:
@@ -539,6 +540,8 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.extend(st.request_id, [t.token_id for t in toks])
             step.sampled[st.request_id] = toks
+        if self.spec is not None:
+            self.spec.flush_metrics()
 
     def _resolve_all(self) -> None:
         while self._unresolved:
