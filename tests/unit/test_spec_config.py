@@ -279,3 +279,10 @@ def test_the_verify_cost_depends_on_rows_not_only_on_tokens():
     assert any(choose_k(verify, 1, [(0.84, 4)], plain=plain, rows=1)), "one row: they do"
     single = VerifyCostModel([(1, 2, 0.005), (1, 5, 0.008), (8, 16, 0.010)])
     assert single.cost(16 + 3, 8) == pytest.approx(0.010 + 0.001 * 3), "one point at 8 rows: the nearest slope"
+
+
+def test_the_expected_run_of_k_drafts_is_the_sum_of_the_acceptance_powers():
+    from services.worker.spec.dynamic_k import expected_run
+    for a in (0.0, 0.3, 0.72, 0.999, 1.0):
+        for k in range(0, 9):
+            assert expected_run(a, k) == pytest.approx(sum(a ** j for j in range(1, k + 1)), abs=1e-9)

@@ -20,7 +20,7 @@ from services.common.spec_config import SpecConfig
 from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTED, SPEC_DRAFTED_AT,
                                      SPEC_FED_STEPS, SPEC_ROWS, SPEC_STEPS)
 from services.worker.spec.dynamic_k import (MIN_GAIN, REVISIT_STEPS, AcceptanceTracker, StepCostModel, VerifyCostModel,
-                                            choose_k, choose_uniform_k)
+                                            choose_k, choose_uniform_k, expected_run)
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.suffix import SuffixCache, SuffixProposer
 
@@ -194,7 +194,11 @@ class SpecDecoder:
         # to pay (rate x how often they have a draft), each drafting k, for a few m and k. The
         # sync is paid whether or not the proposers then find anything, hence the hit weights.
         acc = self.acceptance
-        vals = sorted(((acc.rate(r) * acc.hit(r), acc.rate(r), acc.hit(r), room) for r, room in rows), reverse=True)
+        vals = []
+        for r, room in rows:
+            a, h = acc.rate(r), acc.hit(r)
+            vals.append((a * h, a, h, room))
+        vals.sort(reverse=True)
         plain = batch / (self.plain_cost or self.spec_cost).cost(base_tokens)
         sync_s = self.sync_s(batch)
         k_max = max(room for _, room in rows)
@@ -203,7 +207,7 @@ class SpecDecoder:
             sizes = {1, 8, 32, len(vals)}
             for m, (_, a, h, room) in enumerate(vals, 1):
                 kk = min(k, room)
-                gain += h * sum(a ** j for j in range(1, kk + 1))
+                gain += h * expected_run(a, kk)
                 tokens += kk
                 if m in sizes and (batch + gain) / (self.spec_cost.cost(base_tokens + tokens, batch) + sync_s) \
                         > MIN_GAIN * plain:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.spec.decoder import accepted_prefix
-from services.worker.spec.dynamic_k import MIN_GAIN
+from services.worker.spec.dynamic_k import MIN_GAIN, expected_run
 
 FED_SLOTS = 64            # requests with a device row at once
 MAX_FED_ROWS = 32         # rows of a device-fed step with drafts (the verify graphs' largest batch)
@@ -133,7 +133,7 @@ def _choose_width(spec, rows: list[tuple[str, int, int]], n: int, widths: list[i
     for w in widths:
         if w == 1:
             continue
-        gain = sum(h * sum(a ** j for j in range(1, min(w - 1, room) + 1)) for h, a, room in vals)
+        gain = sum(h * expected_run(a, min(w - 1, room)) for h, a, room in vals)
         rate = (n + gain) / (spec.period(n, w) or spec.spec_cost.cost(n * w, n) + extra)
         if rate > best:
             best_w, best = w, rate

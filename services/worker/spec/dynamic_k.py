@@ -97,6 +97,15 @@ class VerifyCostModel:
         return one + slope * max(0, tokens - rows)
 
 
+def expected_run(a: float, k: int) -> float:
+    """Tokens a run of k drafts is expected to add at per-token acceptance a: a + a^2 + .. + a^k."""
+    if k <= 0:
+        return 0.0
+    if a >= 1.0:
+        return float(k)
+    return a * (1.0 - a ** k) / (1.0 - a)
+
+
 def choose_k(cost: StepCostModel | VerifyCostModel, base_tokens: int, requests: list[tuple[float, int]],
              plain: StepCostModel | None = None, sync_s: float = 0.0, rows: int | None = None) -> list[int]:
     """requests: (acceptance rate, drafts available) per decoding request; base_tokens: the step's
@@ -151,7 +160,7 @@ def choose_uniform_k(cost: StepCostModel | VerifyCostModel, base_tokens: int, re
     step = draft_cost.cost(n)
     for k in range(1, max(avail for _, avail in requests) + 1):
         ks = [min(k, avail) for _, avail in requests]
-        emitted = n + sum(sum(a ** j for j in range(1, kk + 1)) for (a, _), kk in zip(requests, ks))
+        emitted = n + sum(expected_run(a, kk) for (a, _), kk in zip(requests, ks))
         rate = emitted / (cost.cost(base_tokens + sum(ks), rows if rows is not None else n) + k * step + sync_s)
         if rate > best:
             best_k, best = k, rate
