@@ -286,3 +286,12 @@ def test_the_expected_run_of_k_drafts_is_the_sum_of_the_acceptance_powers():
     for a in (0.0, 0.3, 0.72, 0.999, 1.0):
         for k in range(0, 9):
             assert expected_run(a, k) == pytest.approx(sum(a ** j for j in range(1, k + 1)), abs=1e-9)
+
+
+def test_a_few_proposing_rows_do_not_make_a_large_step_speculate():
+    """The rows without a proposal still emit their token and still wait for the slower step:
+    two well-accepted proposals pay their sync in a step of two rows, not in one of 32."""
+    flat = StepCostModel([(1, 0.001), (512, 0.001)])
+    reqs = [(0.9, 8)] * 2
+    assert any(choose_k(flat, 2, reqs, sync_s=0.0015, rows=2)), "two rows: the drafts pay for the sync"
+    assert choose_k(flat, 32, reqs, sync_s=0.0015, rows=32) == [0, 0], "30 more rows wait for it: they do not"

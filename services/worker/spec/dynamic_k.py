@@ -117,7 +117,10 @@ def choose_k(cost: StepCostModel | VerifyCostModel, base_tokens: int, requests: 
     -> K per request (0: no speculation for it this step)."""
     rows = rows if rows is not None else len(requests)
     ks = [0] * len(requests)
-    emitted = float(len(requests))
+    # Every sequence of the step emits its token whether or not it drafts: the rows without a
+    # proposal count too (counting only the proposing ones overstated what drafting a few of 32
+    # rows gains against the step it slows down).
+    emitted = float(max(rows, len(requests)))
     tokens = base_tokens
     best, best_ks = emitted / (cost.cost(tokens, rows) + sync_s), list(ks)
     heap = [(-a, i) for i, (a, avail) in enumerate(requests) if avail > 0 and a > 0]
@@ -139,7 +142,7 @@ def choose_k(cost: StepCostModel | VerifyCostModel, base_tokens: int, requests: 
         else:
             since_best += 1
     ks = best_ks
-    plain_rate = len(requests) / (plain or cost).cost(base_tokens)
+    plain_rate = max(rows, len(requests)) / (plain or cost).cost(base_tokens)
     if best < MIN_GAIN * plain_rate:
         return [0] * len(requests)
     return ks
