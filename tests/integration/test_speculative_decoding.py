@@ -62,8 +62,9 @@ def test_a_repeated_passage_is_mostly_accepted_and_the_text_is_unchanged(spec_me
                "meshllm:worker_spec_accepted_tokens_per_position_total")
     before = [counter(spec_mesh, n) for n in names]
     before_pos = {n: by_position(spec_mesh, n) for n in per_pos}
-    got = chat(spec_mesh, REPEAT, max_tokens=64, temperature=0).choices[0].message.content
-    want = chat(mesh, REPEAT, max_tokens=64, temperature=0).choices[0].message.content
+    with cf.ThreadPoolExecutor(2) as pool:   # both meshes at once (separate engines)
+        got, want = pool.map(lambda m: chat(m, REPEAT, max_tokens=64, temperature=0).choices[0].message.content,
+                             (spec_mesh, mesh))
     assert got == want
     drafted, accepted, rows = (counter(spec_mesh, n) - b for n, b in zip(names, before))
     assert drafted > 0 and accepted / drafted > 0.5, (drafted, accepted)
