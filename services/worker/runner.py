@@ -415,8 +415,9 @@ class ModelRunner:
                 self._period_key = (len(scheduled), fed.width)
             else:
                 step = self._launch(plan.step_id, scheduled, t0)
-                plain = self.spec is not None and not plan.new_requests and not any(s.drafts for s in scheduled)
-                self._period_key = (len(scheduled), 1) if plain and all(s.n == 1 for s in scheduled) else None
+                # Steps of decode rows only, plain (width 1) or with host drafts (width 0).
+                decode = self.spec is not None and not plan.new_requests and all(s.count == 1 for s in scheduled)
+                self._period_key = (len(scheduled), 0 if any(s.drafts for s in scheduled) else 1) if decode else None
             if self.spec is not None and self.overlap and fed is None:
                 if not any(s.drafts for s in scheduled):
                     self.spec.host_time(time.perf_counter() - t_host)   # what a sync would expose
@@ -519,7 +520,8 @@ class ModelRunner:
             device_steps.resolve(self, step, tokens)
             self.spec.flush_metrics()
             return
-        i = 0
+        i = accepted = 0
+        drafted = False
         for s in step.sampling_seqs:
             st = s.state
             toks = tokens[i:i + 1 + len(s.drafts)]
@@ -529,6 +531,8 @@ class ModelRunner:
                 toks = toks[:a + 1]
                 st.num_computed_tokens = s.start + s.count + a
                 self.spec.observe(st.request_id, len(s.drafts), a)
+                accepted += a
+                drafted = True
             st.num_pending -= 1
             if not st.num_pending:   # else a later step in flight set it (a device-fed one may follow this)
                 st.spec_pending = False
@@ -541,6 +545,8 @@ class ModelRunner:
                 self.spec.extend(st.request_id, [t.token_id for t in toks])
             step.sampled[st.request_id] = toks
         if self.spec is not None:
+            if drafted:   # its tokens against its measured period (SpecDecoder.host_spec_pays)
+                self.spec.host_spec_step(len(step.scheduled), accepted)
             self.spec.flush_metrics()
 
     def _resolve_all(self) -> None:

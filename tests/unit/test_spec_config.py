@@ -295,3 +295,28 @@ def test_a_few_proposing_rows_do_not_make_a_large_step_speculate():
     reqs = [(0.9, 8)] * 2
     assert any(choose_k(flat, 2, reqs, sync_s=0.0015, rows=2)), "two rows: the drafts pay for the sync"
     assert choose_k(flat, 32, reqs, sync_s=0.0015, rows=32) == [0, 0], "30 more rows wait for it: they do not"
+
+
+def test_host_speculating_steps_measured_slower_than_plain_ones_stop_the_syncs():
+    """Whatever the cost model expects, host speculating steps whose measured loop period makes
+    them emit fewer tokens per second than plain steps at that batch turn worth_trying off; a
+    measure not renewed within PERIOD_REVISIT steps is forgotten, so the batch is tried again."""
+    from services.worker.spec.decoder import PERIOD_REVISIT, SpecDecoder
+    d = SpecDecoder(parse_spec_config({"method": "suffix", "num_speculative_tokens": 8}))
+    d.plain_cost = StepCostModel([(1, 0.0005), (512, 0.0005)])
+    d.spec_cost = StepCostModel([(1, 0.0005), (512, 0.0005)])    # the model thinks drafts are free
+    d.acceptance.prior = 0.9
+    rows = [(f"r{i}", 8) for i in range(32)]
+    assert d.host_spec_pays(32) is None and d.worth_trying(rows, 32, 32)
+    d.step_period(32, 1, 0.0012)              # plain steps: 32 tokens in 1.2 ms
+    d.step_period(32, 0, 0.0045)              # speculating ones: 4.5 ms ...
+    d.host_spec_step(32, 16)                  # ... for 32 + 16 tokens
+    assert d.host_spec_pays(32) is False and not d.worth_trying(rows, 32, 32)
+    assert d.host_spec_pays(2) is None and d.worth_trying(rows[:2], 2, 2), "another batch size is its own measure"
+    for _ in range(PERIOD_REVISIT):
+        d.acceptance.tick()
+    assert d.host_spec_pays(32) is None and d.worth_trying(rows, 32, 32), "forgotten: tried again"
+    d.step_period(32, 1, 0.0012)
+    d.step_period(32, 0, 0.0015)
+    d.host_spec_step(32, 30)                  # 62 tokens in 1.5 ms: speculating pays
+    assert d.host_spec_pays(32) is True and d.worth_trying(rows, 32, 32)

@@ -62,6 +62,11 @@ class SpecDecoder:
         # one's, per (batch bucket, width) (1: no drafts): what the whole loop (scheduler included)
         # takes for such steps, which the GPU-only calibration does not see.
         self._period: dict[tuple[int, int], tuple[float, int]] = {}
+        # Host speculating steps (drafts proposed on the host after a sync) keep their period at
+        # width 0 of the same table, and here the tokens their rows accepted, per batch bucket
+        # (an EWMA, clock): measured against plain steps' periods they say whether drafting has
+        # paid at this batch, whatever the cost model expected (host_spec_pays).
+        self._host_gain: dict[int, tuple[float, int]] = {}
         self._wasted = 0                 # syncs in a row whose proposals the cost model declined
         self._declined = False           # the last drafts() call declined proposals it had
         self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
@@ -188,6 +193,8 @@ class SpecDecoder:
             return True
         if self.acceptance.clock < self._backoff_until:   # the last syncs' proposals were declined
             return False
+        if self.host_spec_pays(batch) is False:
+            return False
         if self.draft is not None:
             return self._draft_k(rows, base_tokens, batch) > 0
         # Cheap enough for every step at any batch (no allocation search): the m rows most likely
@@ -297,11 +304,30 @@ class SpecDecoder:
         one sample moves it at most 4x)."""
         key = (batch.bit_length(), width)
         old = self._period.get(key)
-        if old is None:
+        if old is None or self.acceptance.clock - old[1] >= PERIOD_REVISIT:   # none, or forgotten: start anew
             self._period[key] = (seconds, self.acceptance.clock)
             return
         seconds = min(seconds, 4 * old[0])
         self._period[key] = (0.8 * old[0] + 0.2 * seconds, self.acceptance.clock)
+
+    def host_spec_step(self, batch: int, accepted: int) -> None:
+        """A host speculating step of `batch` sequences was read: its rows accepted `accepted` drafts."""
+        b = batch.bit_length()
+        old = self._host_gain.get(b)
+        fresh = old is None or self.acceptance.clock - old[1] >= PERIOD_REVISIT
+        g = accepted if fresh else 0.8 * old[0] + 0.2 * accepted
+        self._host_gain[b] = (g, self.acceptance.clock)
+
+    def host_spec_pays(self, batch: int) -> bool | None:
+        """Have host speculating steps of about this batch emitted tokens faster than plain steps,
+        both measured (periods from submit to submit, the whole loop included) within
+        PERIOD_REVISIT steps? None when either is not measured: the cost model decides, so a batch
+        where speculating stopped paying is tried again once its measure is forgotten."""
+        spec_t, plain_t = self.period(batch, 0), self.period(batch, 1)
+        gain = self._host_gain.get(batch.bit_length())
+        if spec_t is None or plain_t is None or gain is None or self.acceptance.clock - gain[1] >= PERIOD_REVISIT:
+            return None
+        return (batch + gain[0]) / spec_t >= batch / plain_t
 
     def period(self, batch: int, width: int) -> float | None:
         """The measured period of such steps, or None when not measured in PERIOD_REVISIT steps
