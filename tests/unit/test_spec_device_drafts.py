@@ -291,6 +291,10 @@ def test_the_width_choice_follows_measured_step_periods():
     spec.step_period(32, 3, 6e-3)
     spec.step_period(32, 2, 6e-3)
     assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 1
+    host_rows = [(rid, room) for rid, room, _ in rows]
+    assert spec.worth_trying(host_rows, 32, 32), "the host path's own cost model would draft"
+    spec.fed_declined_at = spec.acceptance.clock      # what fed_plan records when it picks width 1
+    assert not spec.worth_trying(host_rows, 32, 32), "one decision a step: no host drafts either"
     for _ in range(PERIOD_REVISIT):
         spec.acceptance.tick()
     assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 5

@@ -67,6 +67,7 @@ class SpecDecoder:
         # (an EWMA, clock): measured against plain steps' periods they say whether drafting has
         # paid at this batch, whatever the cost model expected (host_spec_pays).
         self._host_gain: dict[int, tuple[float, int]] = {}
+        self.fed_declined_at = -1        # the clock of a step whose device-fed width choice was 1 (no drafts)
         self._wasted = 0                 # syncs in a row whose proposals the cost model declined
         self._declined = False           # the last drafts() call declined proposals it had
         self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
@@ -192,6 +193,8 @@ class SpecDecoder:
         if self.spec_cost is None:
             return True
         if self.acceptance.clock < self._backoff_until:   # the last syncs' proposals were declined
+            return False
+        if self.fed_declined_at == self.acceptance.clock:   # this step's device-fed choice: no drafts
             return False
         if self.host_spec_pays(batch) is False:
             return False

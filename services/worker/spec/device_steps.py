@@ -99,6 +99,9 @@ def fed_plan(runner, plan) -> FedPlan | None:
         return None
     width = _choose_width(spec, rows, n, ws)
     if width == 1 and not must_feed:   # nothing to draft and nothing to feed: a plain overlapped step
+        # ... and no host drafts either: the same measures said drafting does not pay this step
+        # (else the host path's cost model would sync and draft what this declined).
+        spec.fed_declined_at = spec.acceptance.clock
         return None
     return FedPlan(width, {rid: max(0, min(width - 1, room)) for rid, room, _ in rows})
 
