@@ -39,6 +39,10 @@ def overlap_mesh(smollm2_dir):
 
 
 def test_overlapped_worker_gives_the_default_meshs_texts(mesh, overlap_mesh):
-    assert texts(overlap_mesh) == texts(mesh)
-    # all greedy: every step samples straight into the prev-token buffer the next step overwrites
-    assert texts(overlap_mesh, seeded=False) == texts(mesh, seeded=False)
+    # Each round asks the two meshes at once: separate engines, each sees only its own batch.
+    with cf.ThreadPoolExecutor(2) as pool:
+        got, want = pool.map(texts, (overlap_mesh, mesh))
+        assert got == want
+        # all greedy: every step samples straight into the prev-token buffer the next step overwrites
+        got, want = pool.map(lambda m: texts(m, seeded=False), (overlap_mesh, mesh))
+        assert got == want
