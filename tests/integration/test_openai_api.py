@@ -75,13 +75,16 @@ def test_stop_string_ends_the_output_and_is_not_included(client, mesh):
     # Take a stop string from the middle of the greedy output (it may span token boundaries).
     stop = base[len(base) // 2: len(base) // 2 + 3]
     assert stop.strip(), f"greedy output too short to pick a stop string from: {base!r}"
-    r = client.completions.create(model=mesh.model_name, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
-                                  stop=[stop], extra_body={"ignore_eos": True})
+    # The whole and the streamed stopped answer at once (batched greedy == solo).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(client.completions.create, model=mesh.model_name, prompt="1, 2, 3, 4,", max_tokens=20,
+                            temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+        streamed = pool.submit(lambda: "".join(c.choices[0].text for c in client.completions.create(
+            model=mesh.model_name, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop], stream=True,
+            extra_body={"ignore_eos": True}) if c.choices))
+        r, streamed = whole.result(), streamed.result()
     assert r.choices[0].text == base[: base.index(stop)]
     assert r.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=mesh.model_name, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop], stream=True,
-        extra_body={"ignore_eos": True}) if c.choices)
     assert streamed == r.choices[0].text
 
 
@@ -89,7 +92,10 @@ def test_seeded_sampling_is_reproducible(client, mesh):
     args = dict(model=mesh.model_name, prompt="My favourite colour is", max_tokens=12, temperature=1.0,
                 top_p=0.95)
     a = client.completions.create(seed=1234, **args).choices[0].text
-    b = client.completions.create(seed=1234, **args).choices[0].text
+    # The repeat comes after the first (a later request, not its batch mate); the other seeds
+    # beside it (a seed is per request: its draws do not depend on the batch).
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda s: client.completions.create(seed=s, **args).choices[0].text, (1234, 1, 2, 3)))
+    b, others = texts[0], set(texts[1:])
     assert a == b
-    others = {client.completions.create(seed=s, **args).choices[0].text for s in (1, 2, 3)}
     assert len(others | {a}) > 1, "different seeds should not all give the same text"
