@@ -95,13 +95,17 @@ def test_a_json_schema_output_parses_and_validates(http, mesh):
 
 
 def test_regex_choice_and_json_object_outputs_follow_their_constraint(http, mesh):
+    import concurrent.futures as cf
     import re
-    [(text, _)] = chat_outputs(http, mesh, structured_outputs={"regex": r"[0-9]{3}-[0-9]{4}"})
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
-    [(text, _)] = chat_outputs(http, mesh, guided_choice=["cat", "dog", "fish"])
-    assert text in ("cat", "dog", "fish")
-    [(text, reason)] = chat_outputs(http, mesh, max_tokens=64,
-                                    response_format={"type": "json_object"})
+    with cf.ThreadPoolExecutor(3) as pool:   # the three constraints at once (the engine batches them)
+        regex = pool.submit(chat_outputs, http, mesh, structured_outputs={"regex": r"[0-9]{3}-[0-9]{4}"})
+        choice = pool.submit(chat_outputs, http, mesh, guided_choice=["cat", "dog", "fish"])
+        obj = pool.submit(chat_outputs, http, mesh, max_tokens=64, response_format={"type": "json_object"})
+        [(text, _)] = regex.result()
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
+        [(text, _)] = choice.result()
+        assert text in ("cat", "dog", "fish")
+        [(text, reason)] = obj.result()
     if reason == "stop":   # a length stop may leave the object unfinished
         assert isinstance(json.loads(text), dict), text
     else:
