@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from services.worker.spec.ngram import NgramProposer
-from services.worker.spec.suffix import SENTINEL, SuffixCache, SuffixProposer, propose
+from services.worker.spec.suffix import SENTINEL, SuffixProposer, propose
+from services.worker.spec.suffix_cache import SuffixCache
 
 
 def brute_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -107,6 +108,45 @@ def test_suffix_proposals_follow_the_most_frequent_continuation_and_stop_when_un
     draft, _ = propose(*text, [7, 1, 2], 4, 4, min_prob=0.9)   # 3 is certain; 4 only 2 times in 3
     assert draft == [3]
     assert propose(*joined([[1, 2], [3, 4]]), [2], 3, 4, 0.0) == ([], 0), "no context runs into the next output"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shared_store_proposes_as_an_exhaustive_search_over_its_kept_outputs(seed):
+    """Outputs arrive and the oldest are evicted (past the cap, and through the index rebuilds
+    that drop them); every proposal equals the exhaustive search over the outputs kept."""
+    rng = random.Random(100 + seed)
+    cap = rng.choice([1, 3, 5])
+    cache, kept = SuffixCache(rng.choice([2, 4, 8]), max_outputs=cap, max_occurrences=10_000), []
+    for _ in range(30):
+        out = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        cache.add_output(out)
+        kept = (kept + [out])[-cap:]
+        assert len(cache) == len(kept)
+        for _ in range(5):
+            context = [rng.randrange(4) for _ in range(rng.randrange(0, 9))]
+            k, min_prob = rng.randrange(1, 9), rng.choice([0.0, 0.1, 0.4])
+            assert cache.propose(context, k, min_prob) == brute_suffix(kept, context, k, cache.depth, min_prob)
+
+
+def test_the_shared_store_follows_only_the_most_recent_occurrences_of_a_context():
+    cache = SuffixCache(4, max_outputs=100, max_occurrences=3)
+    for _ in range(5):
+        cache.add_output([1, 2, 3, 7])          # older: 1 2 3 -> 7, five times
+    for _ in range(3):
+        cache.add_output([1, 2, 3, 8])          # the three most recent: 1 2 3 -> 8
+    assert cache.propose([1, 2, 3], 1, 0.0) == ([8], 3)
+    assert SuffixCache(4, 100).propose([1, 2, 3], 1, 0.0) == ([], 0)
+
+
+def test_a_request_with_a_full_draft_from_its_own_text_does_not_read_the_shared_store():
+    cache = SuffixCache(4, max_outputs=4)
+    cache.add_output([5, 6, 7, 40, 41, 42, 43])
+    cache.add_output([5, 6, 7, 40, 41, 42, 43])
+    prop = SuffixProposer(4, 0.0, cache, [9, 5, 6, 7, 30, 31, 32, 33, 0, 5, 6, 7])
+    assert prop.propose(4) == [30, 31, 32, 33], "own text: the same context, a full draft"
+    # An own match shorter than the context (only its last token, 7) asks the store, whose deeper match wins.
+    shallow = SuffixProposer(4, 0.0, cache, [8, 7, 30, 31, 32, 33, 5, 6, 7])
+    assert shallow.propose(4) == [40, 41, 42, 43]
 
 
 def test_suffix_proposer_uses_its_own_text_and_the_shared_cache_of_recent_outputs():

@@ -22,7 +22,8 @@ from services.worker.metrics import (SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFT
 from services.worker.spec.dynamic_k import (MIN_GAIN, REVISIT_STEPS, AcceptanceTracker, StepCostModel, VerifyCostModel,
                                             choose_k, choose_uniform_k, expected_run)
 from services.worker.spec.ngram import NgramProposer
-from services.worker.spec.suffix import SuffixCache, SuffixProposer
+from services.worker.spec.suffix import SuffixProposer
+from services.worker.spec.suffix_cache import SuffixCache
 
 log = logging.getLogger(__name__)
 

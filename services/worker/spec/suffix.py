@@ -12,11 +12,11 @@ the first one as much as the later ones, and memory is a few bytes a token. (The
 tries this replaced cost O(depth) dictionary nodes per token, built at a request's first
 proposal: 4.5 ms for a 256-token prompt here, 5 s of host time for 256 of them at 2k tokens.)
 
-Sequences of the shared store are separated by SENTINEL, which no context or continuation can
-match, so no context runs from one output into the next."""
+The shared store (suffix_cache.py) is indexed instead: its text grows with every finished output
+and is read by every request at every step. Its outputs are separated by SENTINEL, which no
+context or continuation can match, so no context runs from one output into the next. A request
+whose own text gives a full draft from the longest context does not ask it (it could not win)."""
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 
@@ -82,16 +82,23 @@ def _most_frequent(conts: list[int]) -> tuple[int, int]:
 def propose(arr: np.ndarray, toks: list[int], context: list[int], k: int, depth: int,
             min_prob: float) -> tuple[list[int], int]:
     """Up to k tokens continuing `context`, from the occurrences in the text (`arr`, `toks`),
-    and the length of the context match they start from. The matched context grows with every
-    token drafted (the occurrences followed are those of the context plus the draft so far, as a
-    walk down a suffix tree); only when none of them continues is the context matched again."""
+    and the length of the context match they start from."""
+    return walk(lambda ctx, max_len: longest_match(arr, toks, ctx, max_len), toks, context, k, depth, min_prob)
+
+
+def walk(match, toks: list[int], context: list[int], k: int, depth: int,
+         min_prob: float) -> tuple[list[int], int]:
+    """The draft from a text `toks` whose context matches `match(ctx, max_len)` finds (as
+    longest_match does). The matched context grows with every token drafted (the occurrences
+    followed are those of the context plus the draft so far, as a walk down a suffix tree); only
+    when none of them continues is the context matched again."""
     out: list[int] = []
     ctx = list(context[-(depth - 1):]) if depth > 1 else []
     prob, matched, n = 1.0, 0, len(toks)
     ends: list[int] = []
     while len(out) < k:
         if not ends:
-            ends, d = longest_match(arr, toks, ctx, depth - 1)
+            ends, d = match(ctx, depth - 1)
             if not ends:
                 break
             if not out:
@@ -109,44 +116,13 @@ def propose(arr: np.ndarray, toks: list[int], context: list[int], k: int, depth:
     return out, matched
 
 
-class SuffixCache:
-    """The recent finished outputs shared by all requests: at most `max_outputs`, as one array
-    (joined lazily, at the first proposal after a change)."""
-
-    def __init__(self, depth: int, max_outputs: int) -> None:
-        self.depth = depth
-        self.max_outputs = max_outputs
-        self._outputs: deque[np.ndarray] = deque()
-        self._text: tuple[np.ndarray, list[int]] | None = None
-
-    def add_output(self, tokens) -> None:
-        if self.max_outputs <= 0 or not len(tokens):
-            return
-        self._outputs.append(np.append(np.asarray(tokens, dtype=np.int32), np.int32(SENTINEL)))
-        while len(self._outputs) > self.max_outputs:
-            self._outputs.popleft()
-        self._text = None
-
-    @property
-    def text(self) -> tuple[np.ndarray, list[int]]:
-        if self._text is None:
-            arr = np.concatenate(self._outputs) if self._outputs else np.empty(0, dtype=np.int32)
-            self._text = arr, arr.tolist()
-        return self._text
-
-    def propose(self, context: list[int], k: int, min_prob: float) -> tuple[list[int], int]:
-        return propose(*self.text, context, k, self.depth, min_prob)
-
-    def __len__(self) -> int:
-        return len(self._outputs)
-
-
 class SuffixProposer:
     """One request: its own text (prompt + outputs) and the shared cache of recent outputs."""
 
     __slots__ = ("depth", "cache", "min_prob", "tokens", "_arr", "num_prompt")
 
-    def __init__(self, depth: int, min_prob: float, cache: SuffixCache | None, prompt: list[int]) -> None:
+    def __init__(self, depth: int, min_prob: float, cache, prompt: list[int]) -> None:
+        """cache: the shared store of recent outputs (suffix_cache.SuffixCache) or None."""
         self.depth = depth
         self.cache, self.min_prob = cache, min_prob
         self.tokens: list[int] = list(prompt)    # the list for the candidates' lookups,
@@ -162,8 +138,8 @@ class SuffixProposer:
             return []
         context = self.tokens[-(self.depth - 1):] if self.depth > 1 else []
         own, own_depth = propose(self._arr.view(), self.tokens, context, k, self.depth, self.min_prob)
-        if self.cache is None or len(self.cache) == 0:
-            return own
+        if self.cache is None or len(self.cache) == 0 or (own_depth == len(context) and len(own) == k):
+            return own      # (the shared store cannot beat a full draft from the longest context)
         shared, shared_depth = self.cache.propose(context, k, self.min_prob)
         # The longer context match is the better evidence; on a tie, the longer draft.
         if (shared_depth, len(shared)) > (own_depth, len(own)):
