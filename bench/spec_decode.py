@@ -9,7 +9,8 @@ on a random-weight model where nothing is accepted (dynamic K must turn itself o
 
 Methods: off, ngram (on a GPU its steps are fed from the device: spec/device_steps.py), ngram_host
 (the same proposer with MESHLLM_DEVICE_DRAFTS=0: drafts made on the host after the previous step is
-read), suffix, draft_model. Each row reports host_ms: the mean host time of the worker's submits
+read), suffix (device-fed host chains: spec/device_chains.py), suffix_host (MESHLLM_DEVICE_DRAFTS=0),
+draft_model. Each row reports host_ms: the mean host time of the worker's submits
 (device-fed or not) and collects; --profile-submits adds the top functions of a cProfile of them (submits and collects).
 Greedy outputs with speculation must equal those without (checked). Writes --out (JSON)."""
 from __future__ import annotations
@@ -66,6 +67,7 @@ METHODS = {"off": None,
            # the same proposer, drafting on the host after the previous step is read (no device-fed steps)
            "ngram_host": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
            "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+           "suffix_host": {"method": "suffix", "num_speculative_tokens": 4},
            # the draft model's directory is filled in by main(): --draft-model, or the model drafting for itself
            "draft_model": {"method": "draft_model", "num_speculative_tokens": 4}}
 

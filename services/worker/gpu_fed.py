@@ -1,5 +1,6 @@
 """A device-fed step on the GPU executor (spec/device_steps.py): the host stages only the block
-tables and the layout; one kernel (kernels/spec_fed.feed) proposes each row's n-gram drafts and
+tables and the layout; one kernel (kernels/spec_fed.feed) proposes each row's n-gram drafts (or
+takes them from the host's chain: spec/device_chains.py) and
 writes the real rows' input ids, positions, KV slots and context lengths from the device's own
 lengths, then the step replays the verify graph of
 (batch, q) (gpu_verify.py's stride-q layout) or, at q = 1, the decode graph of its batch; without
@@ -28,11 +29,12 @@ def _stage(ex, tables: list[list[int]], caps: list[int], b: int, q: int) -> None
 
 
 def run_fed(ex, dev, tables: list[list[int]], caps: list[int], meta: torch.Tensor,
-            q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dev: the spec.device_ngram.DeviceNgram; tables / caps: each row's block ids and how many
-    positions they (and max_model_len) allow; meta [4, n] long on the device (slot, drafts wanted,
-    cap, start_lo per row) -> (float32 logits [n * q, V], row i's j-th token at i * q + j; the
-    drafts [n, q - 1], -1 where none; each row's position shift past start_lo [n])."""
+            q: int, chains: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dev: the spec.device_ngram.DeviceNgram (or device_chains.DeviceChains, with `chains`
+    [n, chain_len + 1]); tables / caps: each row's block ids and how many positions they (and
+    max_model_len) allow; meta [4, n] long on the device (slot, drafts wanted, cap, start_lo per
+    row) -> (float32 logits [n * q, V], row i's j-th token at i * q + j; the drafts [n, q - 1], -1
+    where none; each row's position shift past start_lo [n])."""
     from services.worker.kernels.spec_fed import feed
     n = len(tables)
     graph = None
@@ -47,7 +49,7 @@ def run_fed(ex, dev, tables: list[list[int]], caps: list[int], meta: torch.Tenso
     _stage(ex, tables, caps, b, q)
     drafts, shift = feed(dev.hist, dev.hlen, meta, ex.tables, ex.i64[:4 * b * q].view(4, b * q), ex.lens,
                          lead=dev.lead, n_min=dev.n_min, n_max=dev.n_max, q=q, block_size=ex.block_size,
-                         limit=ex.max_blocks * ex.block_size)
+                         limit=ex.max_blocks * ex.block_size, chains=chains)
     if graph is not None:
         graph.replay()
     else:
@@ -66,9 +68,13 @@ def warm_up(ex, dev, widths: list[int]) -> None:
             dev.hlen[:n] = 1
             meta = torch.tensor([list(range(n)), [q - 1] * n, [ex.block_size] * n, [0] * n], dtype=torch.long,
                                 device=dev.hlen.device)
+            ch = getattr(dev, "chain_len", 0)
+            chains = torch.full((n, ch + 1), -1, dtype=torch.long, device=dev.hlen.device) if ch else None
+            if chains is not None:
+                chains[:, 0] = 1
             drafts, _ = feed(dev.hist, dev.hlen, meta, ex.tables, ex.i64[:4 * n * q].view(4, n * q), ex.lens,
                              lead=dev.lead, n_min=dev.n_min, n_max=dev.n_max, q=q, block_size=ex.block_size,
-                             limit=ex.max_blocks * ex.block_size)
+                             limit=ex.max_blocks * ex.block_size, chains=chains)
             commit(dev.hist, dev.hlen, meta[0], drafts, torch.zeros(n, q, dtype=torch.long, device=dev.hlen.device),
                    lead=dev.lead, max_len=dev.max_len)
     dev.hlen.zero_()

@@ -217,10 +217,8 @@ class ModelRunner:
         graphs (gpu_verify.py), captured now against the current cache."""
         self.spec = decoder
         cfg = decoder.cfg
-        if cfg.method == "ngram" and not decoder.follower and device_steps.enabled():
-            from services.worker.spec.device_ngram import DeviceNgram
-            decoder.device = DeviceNgram(cfg.prompt_lookup_min, cfg.prompt_lookup_max, self.model.max_model_len,
-                                         cfg.num_speculative_tokens + 1, device_steps.FED_SLOTS, self.model.device)
+        if cfg.method in ("ngram", "suffix") and not decoder.follower and device_steps.enabled():
+            decoder.device = device_steps.device_proposer(cfg, self.model.max_model_len, self.model.device)
             if self.gpu is not None:   # imports triton: GPU only
                 from services.worker.gpu_fed import warm_up
                 warm_up(self.gpu, decoder.device, device_steps.widths(self, 1))

@@ -1,7 +1,7 @@
 """Device-fed speculative steps on CUDA (spec/device_steps.py, gpu_fed.py): with two steps in
-flight, n-gram drafts proposed on the device replay the verify (and decode) CUDA graphs with
-positions, slots and context lengths written on the device, and the tokens (greedy and seeded) are
-plain decoding's (float32, so batch shapes cannot flip a near-tie; logprobs within TF32)."""
+flight, n-gram drafts proposed on the device (and suffix chains proposed on the host) replay the
+verify (and decode) CUDA graphs with positions, slots and context lengths written on the device,
+and the tokens (greedy and seeded) are plain decoding's (float32, so batch shapes cannot flip a near-tie; logprobs within TF32)."""
 from __future__ import annotations
 
 import pytest
@@ -42,4 +42,27 @@ def test_device_fed_steps_replay_graphs_and_give_plain_decodings_tokens(model, m
         assert got_lp[rid] == pytest.approx(want_lp[rid], abs=5e-3)   # TF32 dots of other shapes
     d = s.runner.spec
     assert d.fed_steps > 0 and d.drafted > 0 and depth == 2
+    assert not eager, "every device-fed step replayed a captured graph"
+
+
+def test_suffix_chains_fed_from_the_device_replay_graphs_and_give_plain_decodings_tokens(model, monkeypatch):
+    """Suffix decoding's host chains (spec/device_chains.py) through the feed kernel and the verify
+    graphs: three at a time, the last three repeating the first three (greedy and seeded, so their
+    outputs repeat and the shared store of finished outputs gives their chains)."""
+    import services.worker.gpu_fed as gpu_fed
+    eager = []
+    orig = gpu_fed.compute_logits_triton
+    monkeypatch.setattr(gpu_fed, "compute_logits_triton", lambda *a, **k: eager.append(1) or orig(*a, **k))
+    suffix = parse_spec_config({"method": "suffix", "num_speculative_tokens": 4, "dynamic_k": [[1, 64, 4]]})
+    ps = repetitive(3) * 2
+    sps = [pb.common.SamplingParams(ignore_eos=True, logprobs=1),
+           pb.common.SamplingParams(temperature=0.8, seed=5, ignore_eos=True),
+           pb.common.SamplingParams(ignore_eos=True)] * 2
+    want, want_lp, _, _ = run(model, ps, sps, overlap=True, new_tokens=32, max_seqs=3)
+    got, got_lp, s, depth = run(model, ps, sps, overlap=True, new_tokens=32, max_seqs=3, spec=suffix)
+    assert got == want
+    for rid in want_lp:
+        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=5e-3)
+    d = s.runner.spec
+    assert d.fed_steps > 0 and d.accepted > 0 and depth == 2
     assert not eager, "every device-fed step replayed a captured graph"

@@ -10,7 +10,8 @@ history's suffix (at most N_MAX); the best end has the longest run (>= N_MIN), t
 those; the drafts are what followed it, up to the row's k. Then the row's Q tokens: its last token
 and its drafts (0 where none), positions p + j (p = L - 1), KV slots from the block table (-1 past
 the row's cap), the context length p + Q (the stride-Q layout), and p - start_lo (the shift of
-random rows' draw positions)."""
+random rows' draw positions). With host chains (CH > 0: spec/device_chains.py) the drafts are
+instead the chain's tokens after its head, where the head equals the row's tokens past the anchor."""
 from __future__ import annotations
 
 import torch
@@ -24,10 +25,11 @@ BIG = tl.constexpr(1 << 40)
 
 
 @triton.jit
-def _feed_kernel(hist_ptr, hlen_ptr, meta_ptr, tables_ptr, drafts_ptr, ids_ptr, pos_ptr, kv_ptr, src_ptr,
-                 lens_ptr, shift_ptr, n, width, mb, limit,
+def _feed_kernel(hist_ptr, hlen_ptr, meta_ptr, chains_ptr, tables_ptr, drafts_ptr, ids_ptr, pos_ptr, kv_ptr,
+                 src_ptr, lens_ptr, shift_ptr, n, width, mb, limit,
                  LEAD: tl.constexpr, N_MIN: tl.constexpr, N_MAX: tl.constexpr, Q: tl.constexpr,
-                 QP: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 QP: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr = 0,
+                 CHP: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     wait_prior(USE_PDL)
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(meta_ptr + i)
@@ -36,29 +38,46 @@ def _feed_kernel(hist_ptr, hlen_ptr, meta_ptr, tables_ptr, drafts_ptr, ids_ptr, 
     lo = tl.load(meta_ptr + 3 * n + i)
     base = hist_ptr + slot * width + LEAD
     length = tl.load(hlen_ptr + slot)
-    best = tl.full((), -1, tl.int64)
-    for e0 in range(0, length - 1, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
-        alive = e <= length - 2
-        run = tl.zeros((BLOCK_E,), tl.int64)
-        for t in tl.static_range(N_MAX):
-            s_t = tl.load(base + length - 1 - t)
-            tok = tl.load(base + e - t, mask=alive, other=PAD)
-            alive = alive & (tok == s_t)
-            run += alive.to(tl.int64)
-        score = tl.where(run >= N_MIN, run * BIG + e, -1)
-        best = tl.maximum(best, tl.max(score, axis=0))
     j = tl.arange(0, QP).to(tl.int64)
-    found = (j * 0 + best) >= 0
-    e_best = best % BIG
-    c = e_best + 1 + j
-    d_ok = found & (j < Q - 1) & (j < k) & (c < length)
-    d = tl.load(base + c, mask=d_ok, other=-1).to(tl.int64)
+    if CH > 0:
+        # A host chain (spec/device_chains.py): its head must be the tokens emitted since its anchor.
+        cbase = chains_ptr + i * (CH + 1)
+        anchor = tl.load(cbase)
+        m = length - anchor
+        c = tl.arange(0, CHP).to(tl.int64)
+        head = c < m
+        chain = tl.load(cbase + 1 + c, mask=c < CH, other=-1)
+        seen = tl.load(base + anchor + c, mask=head, other=0).to(tl.int64)
+        bad = tl.sum((head & (seen != chain)).to(tl.int32), axis=0)
+        found = ((j * 0 + bad) == 0) & ((j * 0 + m) <= CH)
+        d_ok = found & (j < Q - 1) & (j < k) & (m + j < CH)
+        d = tl.load(cbase + 1 + m + j, mask=d_ok, other=-1)
+        prev_ok = found & (j >= 1) & (j - 1 < k) & (m + j - 1 < CH) & (j < Q)
+        prev = tl.load(cbase + m + j, mask=prev_ok, other=0)
+        prev = tl.where(prev < 0, 0, prev)
+    else:
+        best = tl.full((), -1, tl.int64)
+        for e0 in range(0, length - 1, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
+            alive = e <= length - 2
+            run = tl.zeros((BLOCK_E,), tl.int64)
+            for t in tl.static_range(N_MAX):
+                s_t = tl.load(base + length - 1 - t)
+                tok = tl.load(base + e - t, mask=alive, other=PAD)
+                alive = alive & (tok == s_t)
+                run += alive.to(tl.int64)
+            score = tl.where(run >= N_MIN, run * BIG + e, -1)
+            best = tl.maximum(best, tl.max(score, axis=0))
+        found = (j * 0 + best) >= 0
+        e_best = best % BIG
+        c_d = e_best + 1 + j
+        d_ok = found & (j < Q - 1) & (j < k) & (c_d < length)
+        d = tl.load(base + c_d, mask=d_ok, other=-1).to(tl.int64)
+        # Token j >= 1 of the row is draft j - 1 (0 where none).
+        c_prev = e_best + j
+        prev_ok = found & (j >= 1) & (j - 1 < k) & (c_prev < length) & (j < Q)
+        prev = tl.load(base + c_prev, mask=prev_ok, other=0).to(tl.int64)
     tl.store(drafts_ptr + i * (Q - 1) + j, d, mask=j < Q - 1)
-    # Token j >= 1 of the row is draft j - 1 (0 where none).
-    c_prev = e_best + j
-    prev_ok = found & (j >= 1) & (j - 1 < k) & (c_prev < length) & (j < Q)
-    prev = tl.load(base + c_prev, mask=prev_ok, other=0).to(tl.int64)
     p = length - 1
     tok0 = tl.load(base + p).to(tl.int64)
     q_ok = j < Q
@@ -77,17 +96,20 @@ def _feed_kernel(hist_ptr, hlen_ptr, meta_ptr, tables_ptr, drafts_ptr, ids_ptr, 
 
 def feed(hist: torch.Tensor, hlen: torch.Tensor, meta: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
          lens: torch.Tensor, *, lead: int, n_min: int, n_max: int, q: int, block_size: int,
-         limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+         limit: int, chains: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """meta [4, n] long (slot, drafts wanted, cap, start_lo per row); tables [>= n, MB] int32;
     rows [4, >= n * q] long views (ids, positions, KV slots, id sources) written at [i * q + j];
-    lens [>= n] int32 -> (drafts [n, q - 1] long, -1 where none; shift [n] long)."""
+    lens [>= n] int32; chains [n, CH + 1] long contiguous (anchor, then CH chain tokens, -1 padded)
+    for host chains (spec/device_chains.py) instead of the n-gram search -> (drafts [n, q - 1]
+    long, -1 where none; shift [n] long)."""
     n = meta.shape[1]
     drafts = torch.empty(n, max(q - 1, 1), dtype=torch.long, device=hist.device)
     shift = torch.empty(n, dtype=torch.long, device=hist.device)
-    _feed_kernel[(n,)](hist, hlen, meta, tables, drafts, rows[0], rows[1], rows[2], rows[3], lens, shift,
-                       n, hist.stride(0), tables.stride(0), limit, LEAD=lead, N_MIN=n_min, N_MAX=n_max, Q=q,
-                       QP=triton.next_power_of_2(q), BS=block_size, BLOCK_E=1024, num_warps=4,
-                       **launch_args(meta[0]))
+    ch = 0 if chains is None else chains.shape[1] - 1
+    _feed_kernel[(n,)](hist, hlen, meta, meta if chains is None else chains, tables, drafts, rows[0], rows[1],
+                       rows[2], rows[3], lens, shift, n, hist.stride(0), tables.stride(0), limit, LEAD=lead,
+                       N_MIN=n_min, N_MAX=n_max, Q=q, QP=triton.next_power_of_2(q), BS=block_size, BLOCK_E=1024,
+                       CH=ch, CHP=triton.next_power_of_2(max(ch, 1)), num_warps=4, **launch_args(meta[0]))
     return drafts[:, :q - 1], shift
 
 

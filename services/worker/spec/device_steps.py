@@ -57,6 +57,17 @@ class FedStep:
     ks: list[int]
 
 
+def device_proposer(cfg, max_len: int, device: torch.device):
+    """The device side of a method's drafts: n-gram rows searched on the device, or the suffix
+    proposer's host chains checked there (spec/device_chains.py)."""
+    if cfg.method == "ngram":
+        from services.worker.spec.device_ngram import DeviceNgram
+        return DeviceNgram(cfg.prompt_lookup_min, cfg.prompt_lookup_max, max_len, cfg.num_speculative_tokens + 1,
+                           FED_SLOTS, device)
+    from services.worker.spec.device_chains import DeviceChains
+    return DeviceChains(cfg.num_speculative_tokens, max_len, cfg.num_speculative_tokens + 1, FED_SLOTS, device)
+
+
 def eligible(st) -> bool:
     """Can the request's rows be sampled without host tokens (no history-reading processors)?"""
     cfg = st.sampling
@@ -163,18 +174,26 @@ def launch(runner, scheduled, fed: FedPlan):
             sync.append((rid, st.token_ids, st.pending_row if st.num_pending else -1))
     dev.sync(sync, runner.gpu.prev_tokens if runner.gpu is not None else runner._cpu_prev)
     starts = [s.start for s in scheduled]
+    # Host chains (suffix decoding: spec/device_chains.py), proposed while the step before runs.
+    chain = dev.host_chains(runner.spec, scheduled, ks) if q > 1 and getattr(dev, "chain_len", 0) else []
     if runner.gpu is not None:   # one kernel proposes and writes the inputs (gpu_fed.py)
         from services.worker.gpu_fed import run_fed   # imports triton: GPU only
         caps = [min(len(s.state.block_ids) * runner.block_size, runner.model.max_model_len) for s in scheduled]
-        meta = to_device([*slots, *ks, *caps, *starts], torch.long, device).view(4, n)
+        up = to_device([*slots, *ks, *caps, *starts, *chain], torch.long, device)
+        meta = up[:4 * n].view(4, n)
         slots_t = meta[0]
-        logits, drafts, shift = run_fed(runner.gpu, dev, [s.state.block_ids for s in scheduled], caps, meta, q)
+        logits, drafts, shift = run_fed(runner.gpu, dev, [s.state.block_ids for s in scheduled], caps, meta, q,
+                                        chains=up[4 * n:].view(n, -1) if chain else None)
         offsets = [(i * q, q) for i in range(n)]
         d_host = drafts.to("cpu", non_blocking=True) if device.type == "cuda" else drafts.clone()
     else:   # the torch twin, read back (free on a CPU) and run through the reference forward
         slots_t = to_device(slots, torch.long, device)
         span = max(len(s.state.token_ids) + s.state.num_pending + s.state.dev_slack for s in scheduled) + 1
-        drafts, length = dev.propose(slots_t, to_device(ks, torch.long, device), q - 1, span)
+        ks_t = to_device(ks, torch.long, device)
+        if chain:
+            drafts, length = dev.propose(slots_t, ks_t, q - 1, span, chains=torch.tensor(chain).view(n, -1))
+        else:
+            drafts, length = dev.propose(slots_t, ks_t, q - 1, span)
         logits, offsets, d_host = _forward_cpu(runner, scheduled, dev.inputs(slots_t, length), drafts, length)
         shift = length - 1 - to_device(starts, torch.long, device)
     # Random rows draw at position p + 1 + j; the host knows p up to the last fed step's drafts.
