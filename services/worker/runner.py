@@ -217,7 +217,7 @@ class ModelRunner:
         graphs (gpu_verify.py), captured now against the current cache."""
         self.spec = decoder
         cfg = decoder.cfg
-        if cfg.method in ("ngram", "suffix") and not decoder.follower and device_steps.enabled():
+        if not decoder.follower and device_steps.enabled():
             decoder.device = device_steps.device_proposer(cfg, self.model.max_model_len, self.model.device)
             if self.gpu is not None:   # imports triton: GPU only
                 from services.worker.gpu_fed import warm_up

@@ -66,3 +66,26 @@ def test_suffix_chains_fed_from_the_device_replay_graphs_and_give_plain_decoding
     d = s.runner.spec
     assert d.fed_steps > 0 and d.accepted > 0 and depth == 2
     assert not eager, "every device-fed step replayed a captured graph"
+
+
+def test_draft_model_chains_fed_from_the_device_give_plain_decodings_tokens(model, monkeypatch, tmp_path):
+    """The draft model (the tiny model drafting for itself, its own executor and graphs) drafts its
+    chains on the device before each step's forward; nothing waits for the step before."""
+    import services.worker.gpu_fed as gpu_fed
+    eager = []
+    orig = gpu_fed.compute_logits_triton
+    monkeypatch.setattr(gpu_fed, "compute_logits_triton", lambda *a, **k: eager.append(1) or orig(*a, **k))
+    draft = parse_spec_config({"method": "draft_model", "num_speculative_tokens": 4, "model": str(tmp_path),
+                               "dynamic_k": [[1, 64, 4]]})
+    ps = repetitive(4)
+    sps = [pb.common.SamplingParams(ignore_eos=True, logprobs=1)] * 2 + [
+        pb.common.SamplingParams(temperature=0.8, seed=9 + i, ignore_eos=True) for i in range(2)]
+    want, want_lp, _, _ = run(model, ps, sps, overlap=True, new_tokens=32)
+    got, got_lp, s, depth = run(model, ps, sps, overlap=True, new_tokens=32, spec=draft, draft_model=model)
+    assert got == want
+    for rid in want_lp:
+        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=5e-3)
+    d = s.runner.spec
+    assert d.fed_steps > 0 and d.accepted > 0 and depth == 2
+    assert d.accepted / d.drafted > 0.5, (d.drafted, d.accepted)
+    assert not eager, "every device-fed step replayed a captured graph"

@@ -61,11 +61,42 @@ def test_greedy_self_drafts_are_nearly_all_accepted(dirs, target):
     ps = repetitive(4)
     sps = [pb.common.SamplingParams(ignore_eos=True)] * 4
     want, _, _, _ = run(target, ps, sps, overlap=True, new_tokens=24)
-    got, _, s, _ = run(target, ps, sps, overlap=True, new_tokens=24, spec=_spec(dirs[0], k=4),
-                       draft_model=load_model(dirs[0]))
+    got, _, s, depth = run(target, ps, sps, overlap=True, new_tokens=24, spec=_spec(dirs[0], k=4),
+                           draft_model=load_model(dirs[0]))
     assert got == want
     d = s.runner.spec
     assert d.drafted >= 40 and d.accepted / d.drafted > 0.95, (d.drafted, d.accepted)
+    # With async scheduling the draft's chains are drafted before each step's forward and checked
+    # on the device (spec/device_chains.py): no step waits for the one before.
+    assert d.fed_steps > 0 and depth == 2
+
+
+def test_after_a_chain_the_kept_draft_kv_gives_a_fresh_starts_drafts(dirs):
+    """Chains (propose_chains) run past the step in flight; when the real tokens arrive (in one
+    piece or two, all equal to the chain or not) the KV kept for them gives the drafts a drafter
+    starting from the whole context would give."""
+    model = load_model(dirs[1])
+    ctx = repetitive(1)[0]
+    kept = DraftModel(model, 32, 4)
+    kept.start("r", ctx)
+    for trial, (take, wrong_at) in enumerate([(3, None), (2, 1), (6, None), (4, 0), (5, 3)]):
+        chain = kept.propose_chains([("r", 7)], 8)[0].tolist()
+        assert chain[7] == -1 and -1 not in chain[:7]
+        new = chain[:take]
+        if wrong_at is not None:
+            new[wrong_at] = (new[wrong_at] + 1) % 96
+        kept.extend("r", new[:1])            # the real tokens arrive in two steps
+        kept.extend("r", new[1:])
+        ctx = ctx + new
+        fresh = DraftModel(model, 32, 4)
+        fresh.start("r", ctx)
+        ran = []
+        forward = kept._forward
+        kept._forward = lambda ids, *a: ran.append(len(ids)) or forward(ids, *a)
+        assert kept.propose([("r", 4)])["r"] == fresh.propose([("r", 4)])["r"], trial
+        kept._forward = forward
+        right = take if wrong_at is None else wrong_at          # real tokens whose chain KV is kept
+        assert ran == [max(1, take - right)], "the catch-up runs only the tokens the chain got wrong"
 
 
 def test_a_poor_drafter_costs_acceptance_never_correctness(dirs, target):

@@ -1,5 +1,7 @@
-"""Host proposals fed from the device (suffix decoding): the proposer runs on the host while the
-device still runs the step before, and the step is launched without reading that one first.
+"""Proposals made past the step in flight and checked on the device (suffix decoding, and the draft
+model): the suffix proposer runs on the host while the device still runs the step before, the
+draft model drafts on the device in stream order before the step's forward, and the step is
+launched without reading the one before.
 
 When a device-fed step N + 1 is built, the host has read every step up to N - 1; step N is in
 flight and may emit up to `unknown` tokens (1, or 1 + its drafts). The suffix proposer walks on
@@ -11,6 +13,10 @@ head: where they are equal, the chain's next tokens are the row's drafts; where 
 rejected a draft, or the guess of its bonus token was wrong), the row drafts nothing this step
 and its verify positions are plain ones. Verification does not care where drafts come from
 (point-mass proposals, spec/verify.py), so tokens stay exactly plain decoding's.
+
+The draft model's chain is its greedy continuation from the host's tokens (its KV caught up on
+them: positions the host knows), kept on the device; the host reads it with the next step, to
+keep the draft KV of the tokens that turned out right (draft_model.DraftModel.propose_chains).
 
 The hit rate the width choice reads (acceptance.found) counts such misses like empty proposals:
 a request whose chains keep breaking stops paying for drafts it never gets."""
@@ -42,6 +48,20 @@ class DeviceChains(DeviceNgram):
             out.extend(chain)
             out.extend(pad[len(chain):])
         return out
+
+    def draft_chains(self, draft, scheduled, ks: list[int]) -> torch.Tensor:
+        """The draft model's chains (spec/draft_model.DraftModel.propose_chains): its greedy
+        continuation of the tokens the host has, drafted on the device in this step's stream
+        order before the forward, never read here -> [n, chain_len + 1] long on the device."""
+        from services.worker.sampling import to_device
+        rows, anchors = [], []
+        for s, k in zip(scheduled, ks):
+            st = s.state
+            unknown = st.num_pending + (st.dev_slack if st.num_pending else 0)
+            rows.append((st.request_id, min(self.chain_len, unknown + k) if k else 0))
+            anchors.append(len(st.token_ids))
+        toks = draft.propose_chains(rows, self.chain_len)                         # [n, chain_len]
+        return torch.cat([to_device(anchors, torch.long, toks.device)[:, None], toks], 1).contiguous()
 
     def propose(self, slots: torch.Tensor, ks: torch.Tensor, k_max: int, span: int,
                 chains: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

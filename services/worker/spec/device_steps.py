@@ -59,7 +59,7 @@ class FedStep:
 
 def device_proposer(cfg, max_len: int, device: torch.device):
     """The device side of a method's drafts: n-gram rows searched on the device, or the suffix
-    proposer's host chains checked there (spec/device_chains.py)."""
+    proposer's host chains or the draft model's device ones checked there (spec/device_chains.py)."""
     if cfg.method == "ngram":
         from services.worker.spec.device_ngram import DeviceNgram
         return DeviceNgram(cfg.prompt_lookup_min, cfg.prompt_lookup_max, max_len, cfg.num_speculative_tokens + 1,
@@ -143,12 +143,14 @@ def _choose_width(spec, rows: list[tuple[str, int, int]], n: int, widths: list[i
     gpu_plain = (spec.plain_cost or spec.spec_cost).cost(n)
     plain_t = spec.period(n, 1) or gpu_plain
     extra = plain_t - gpu_plain
+    # A draft model's chain: about 2 (w - 1) draft steps (the step in flight's tokens, then the drafts).
+    draft_step = spec.draft_cost.cost(n) if spec.draft_cost is not None else 0.0
     best_w, best = 1, MIN_GAIN * n / plain_t
     for w in widths:
         if w == 1:
             continue
         gain = sum(h * expected_run(a, min(w - 1, room)) for h, a, room in vals)
-        rate = (n + gain) / (spec.period(n, w) or spec.spec_cost.cost(n * w, n) + extra)
+        rate = (n + gain) / (spec.period(n, w) or spec.spec_cost.cost(n * w, n) + extra + draft_step * 2 * (w - 1))
         if rate > best:
             best_w, best = w, rate
     return best_w
@@ -174,8 +176,14 @@ def launch(runner, scheduled, fed: FedPlan):
             sync.append((rid, st.token_ids, st.pending_row if st.num_pending else -1))
     dev.sync(sync, runner.gpu.prev_tokens if runner.gpu is not None else runner._cpu_prev)
     starts = [s.start for s in scheduled]
-    # Host chains (suffix decoding: spec/device_chains.py), proposed while the step before runs.
-    chain = dev.host_chains(runner.spec, scheduled, ks) if q > 1 and getattr(dev, "chain_len", 0) else []
+    # Chains (spec/device_chains.py): the suffix proposer's, made on the host while the step before
+    # runs, or the draft model's, drafted on the device before this step's forward.
+    chain, chains_dev = [], None
+    if q > 1 and getattr(dev, "chain_len", 0):
+        if runner.spec.draft is not None:
+            chains_dev = dev.draft_chains(runner.spec.draft, scheduled, ks)
+        else:
+            chain = dev.host_chains(runner.spec, scheduled, ks)
     if runner.gpu is not None:   # one kernel proposes and writes the inputs (gpu_fed.py)
         from services.worker.gpu_fed import run_fed   # imports triton: GPU only
         caps = [min(len(s.state.block_ids) * runner.block_size, runner.model.max_model_len) for s in scheduled]
@@ -183,15 +191,16 @@ def launch(runner, scheduled, fed: FedPlan):
         meta = up[:4 * n].view(4, n)
         slots_t = meta[0]
         logits, drafts, shift = run_fed(runner.gpu, dev, [s.state.block_ids for s in scheduled], caps, meta, q,
-                                        chains=up[4 * n:].view(n, -1) if chain else None)
+                                        chains=up[4 * n:].view(n, -1) if chain else chains_dev)
         offsets = [(i * q, q) for i in range(n)]
         d_host = drafts.to("cpu", non_blocking=True) if device.type == "cuda" else drafts.clone()
     else:   # the torch twin, read back (free on a CPU) and run through the reference forward
         slots_t = to_device(slots, torch.long, device)
         span = max(len(s.state.token_ids) + s.state.num_pending + s.state.dev_slack for s in scheduled) + 1
         ks_t = to_device(ks, torch.long, device)
-        if chain:
-            drafts, length = dev.propose(slots_t, ks_t, q - 1, span, chains=torch.tensor(chain).view(n, -1))
+        if chain or chains_dev is not None:
+            chains_t = torch.tensor(chain).view(n, -1) if chain else chains_dev
+            drafts, length = dev.propose(slots_t, ks_t, q - 1, span, chains=chains_t)
         else:
             drafts, length = dev.propose(slots_t, ks_t, q - 1, span)
         logits, offsets, d_host = _forward_cpu(runner, scheduled, dev.inputs(slots_t, length), drafts, length)

@@ -43,7 +43,21 @@ class _DraftSeq:
     computed: int = 0                       # tokens [0, computed) have draft KV
     fed_at: int = 0                         # drafts fed at positions fed_at.. (step 2 above)
     fed: list[int] = field(default_factory=list)
+    fed_dev: tuple | None = None            # chains: (_Fed, row, count) until read (extend)
     used: int = 0                           # the proposal clock when it last drafted (LRU)
+
+
+@dataclass
+class _Fed:
+    """A chain step's drafts on their way to the host: read (once) by the first extend after it."""
+    host: torch.Tensor                      # [rows, k_max] long (pinned on a GPU)
+    event: object | None                    # torch.cuda.Event recorded after the copy (None on a CPU)
+
+    def row(self, i: int, n: int) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()        # the draft's part of a step, queued before its forward
+            self.event = None
+        return self.host[i, :n].tolist()
 
 
 class DraftModel:
@@ -98,7 +112,7 @@ class DraftModel:
 
     def _release(self, seq: _DraftSeq) -> None:
         self._free.extend(seq.blocks)
-        seq.blocks, seq.computed, seq.fed = [], 0, []
+        seq.blocks, seq.computed, seq.fed, seq.fed_dev = [], 0, [], None
 
     def _reserve(self, rid: str, seq: _DraftSeq, positions: int, busy: set[str]) -> bool:
         """Blocks for `positions` tokens of draft KV, freeing idle requests' (LRU) if needed."""
@@ -130,12 +144,27 @@ class DraftModel:
         if seq is None:
             return
         seq.tokens.extend(tokens)
+        if seq.fed_dev is None:     # (a chain's drafts are compared when next needed: _settle)
+            self._match_fed(seq)
+
+    def _settle(self, seq: _DraftSeq) -> None:
+        """A chain's fed drafts read (waiting for the draft's part of that step, if still running)
+        and compared with the tokens that arrived since."""
+        if seq.fed_dev is not None:
+            fed, i, n = seq.fed_dev
+            seq.fed, seq.fed_dev = fed.row(i, n), None
+            self._match_fed(seq)
+
+    @staticmethod
+    def _match_fed(seq: _DraftSeq) -> None:
         if seq.fed:
-            # The drafts fed past the context keep their KV where the real tokens equal them.
+            # The drafts fed past the context keep their KV where the real tokens equal them; while
+            # every real token matched, the rest may still match the next ones (chains run ahead).
             real, m = seq.tokens[seq.fed_at:], 0
             while m < len(seq.fed) and m < len(real) and real[m] == seq.fed[m]:
                 m += 1
-            seq.computed, seq.fed = seq.fed_at + m, []
+            seq.computed = seq.fed_at + m
+            seq.fed_at, seq.fed = (seq.fed_at + m, seq.fed[m:]) if m == len(real) else (seq.fed_at, [])
         seq.computed = min(seq.computed, len(seq.tokens))
 
     def finish(self, request_id: str) -> None:
@@ -147,6 +176,52 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, rows: list[tuple[str, int]]) -> dict[str, list[int]]:
         """rows: (request id, k >= 1 drafts wanted) -> its greedy drafts (rows without room: none)."""
+        live = self._live(rows)
+        if not live:
+            return {}
+        drafts = self._draft(live).tolist()                             # the one host read
+        out = {}
+        for (rid, seq, k), row in zip(live, drafts):
+            out[rid] = row[:k]
+            seq.computed = len(seq.tokens)
+            seq.fed_at, seq.fed = len(seq.tokens), row[:k - 1]
+        self.proposed += len(live)
+        return out
+
+    @torch.inference_mode()
+    def propose_chains(self, rows: list[tuple[str, int]], width: int) -> torch.Tensor:
+        """Device-fed steps (spec/device_chains.py): rows (request id, tokens wanted, 0 for none)
+        -> [len(rows), width] long on the device: each row's greedy continuation of the tokens the
+        host has, NO_DRAFT past its length and for rows without room. Nothing is read here: the
+        fed tokens reach the host when the next step is resolved (extend), behind an event."""
+        from services.worker.spec.device_ngram import NO_DRAFT
+        out = torch.full((len(rows), width), NO_DRAFT, dtype=torch.long, device=self.model.device)
+        index = {rid: i for i, (rid, _) in enumerate(rows)}
+        live = self._live([(rid, min(k, width)) for rid, k in rows])
+        if not live:
+            return out
+        drafts = self._draft(live)                                       # [n, k_max]
+        k_max = drafts.shape[1]
+        ks = torch.tensor([k for _, _, k in live], dtype=torch.long)
+        keep = (torch.arange(k_max)[None, :] < ks[:, None]).to(drafts.device)
+        at = torch.tensor([index[rid] for rid, _, _ in live], dtype=torch.long).to(drafts.device)
+        out[at, :k_max] = torch.where(keep, drafts, NO_DRAFT)
+        if drafts.device.type == "cuda":
+            host = torch.empty(drafts.shape, dtype=torch.long, pin_memory=True)
+            host.copy_(drafts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = drafts, None
+        fed = _Fed(host, event)
+        for i, (rid, seq, k) in enumerate(live):
+            seq.computed = len(seq.tokens)
+            seq.fed_at, seq.fed, seq.fed_dev = len(seq.tokens), [], (fed, i, k - 1)
+        self.proposed += len(live)
+        return out
+
+    def _live(self, rows: list[tuple[str, int]]) -> list[tuple[str, _DraftSeq, int]]:
+        """The rows that draft: (request id, its sequence, its k within the context and the pool)."""
         self._clock += 1
         busy = {rid for rid, _ in rows}
         live: list[tuple[str, _DraftSeq, int]] = []
@@ -154,13 +229,17 @@ class DraftModel:
             seq = self.seqs.get(rid)
             if seq is None or k < 1:
                 continue
+            self._settle(seq)
             k = min(k, self.max_model_len - len(seq.tokens))
             if k < 1 or not self._reserve(rid, seq, len(seq.tokens) + k - 1, busy):
                 continue
             seq.used = self._clock
             live.append((rid, seq, k))
-        if not live:
-            return {}
+        return live
+
+    def _draft(self, live: list[tuple[str, _DraftSeq, int]]) -> torch.Tensor:
+        """Catch-up and k - 1 decode steps for every live row -> [n, k_max] long on the device
+        (a row's columns past its k are not its drafts)."""
         firsts = self._catch_up(live)                                    # [n] draft 1 of each row
         k_max = max(k for _, _, k in live)
         cols = [firsts]
@@ -178,14 +257,7 @@ class DraftModel:
                 cur = cur.clone()
                 cur.index_copy_(0, idx, nxt)
             cols.append(cur)
-        drafts = torch.stack(cols, dim=1).tolist()                      # the one host read
-        out = {}
-        for (rid, seq, k), row in zip(live, drafts):
-            out[rid] = row[:k]
-            seq.computed = len(seq.tokens)
-            seq.fed_at, seq.fed = len(seq.tokens), row[:k - 1]
-        self.proposed += len(live)
-        return out
+        return torch.stack(cols, dim=1)
 
     def _catch_up(self, live: list[tuple[str, _DraftSeq, int]]) -> torch.Tensor:
         """Run every row's tokens without draft KV, in forwards of at most max_tokens tokens ->
