@@ -30,6 +30,7 @@ import torch
 
 from services.worker.attention import SeqSchedule, build_attn_metadata
 from services.worker.models.llama import LlamaModel
+from services.worker.sampling import to_device
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +203,10 @@ class DraftModel:
             return out
         drafts = self._draft(live)                                       # [n, k_max]
         k_max = drafts.shape[1]
-        ks = torch.tensor([k for _, _, k in live], dtype=torch.long)
-        keep = (torch.arange(k_max)[None, :] < ks[:, None]).to(drafts.device)
-        at = torch.tensor([index[rid] for rid, _, _ in live], dtype=torch.long).to(drafts.device)
+        # (small host lists go up without a sync: sampling.to_device)
+        ks = to_device([k for _, _, k in live], torch.long, drafts.device)
+        keep = torch.arange(k_max, device=drafts.device)[None, :] < ks[:, None]
+        at = to_device([index[rid] for rid, _, _ in live], torch.long, drafts.device)
         out[at, :k_max] = torch.where(keep, drafts, NO_DRAFT)
         if drafts.device.type == "cuda":
             host = torch.empty(drafts.shape, dtype=torch.long, pin_memory=True)
@@ -246,7 +248,7 @@ class DraftModel:
         cur = firsts
         for j in range(1, k_max):
             active = [i for i, (_, _, k) in enumerate(live) if k > j]
-            idx = torch.tensor(active, dtype=torch.long, device=cur.device) if len(active) < len(live) else None
+            idx = to_device(active, torch.long, cur.device) if len(active) < len(live) else None
             feed = cur if idx is None else cur.index_select(0, idx)
             seqs = [SeqSchedule(live[i][1].blocks, len(live[i][1].tokens) + j - 1, 1) for i in active]
             positions = [len(live[i][1].tokens) + j - 1 for i in active]
@@ -294,11 +296,11 @@ class DraftModel:
                     and max(p[2] for p in pieces) == 2:
                 # Every row's logits (a verify graph's shape), then the last of each sequence.
                 every = self._forward(ids, positions, seqs, list(range(len(ids))))
-                logits = every.index_select(0, torch.tensor(rows, dtype=torch.long, device=every.device))
+                logits = every.index_select(0, to_device(rows, torch.long, every.device))
             else:
                 logits = self._forward(ids, positions, seqs, rows)
             if ended:
-                firsts.index_copy_(0, torch.tensor(ended, dtype=torch.long, device=firsts.device),
+                firsts.index_copy_(0, to_device(ended, torch.long, firsts.device),
                                    logits.argmax(dim=1))
             todo = rest
         return firsts
