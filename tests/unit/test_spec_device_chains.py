@@ -1,6 +1,6 @@
 """Suffix decoding's device-fed steps (spec/device_chains.py): the host proposes a chain past the
-step in flight while the device runs it; the device keeps the chain's drafts only where the
-chain's head equals the tokens that step really emitted. Tokens stay exactly plain decoding's,
+step in flight while the device runs it; the device keeps the chain's drafts where the chain's
+head equals the tokens that step really emitted (else the n-gram search's). Tokens stay exactly plain decoding's,
 with two steps in flight."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from services.common.spec_config import parse_spec_config  # noqa: E402
 from services.worker.models import load_model  # noqa: E402
 from services.worker.spec.device_chains import DeviceChains  # noqa: E402
 from services.worker.spec.device_ngram import NO_DRAFT  # noqa: E402
+from services.worker.spec.ngram import NgramProposer  # noqa: E402
 from tests.overlap_driver import run  # noqa: E402
 from tests.unit.test_spec_decoding import repetitive  # noqa: E402
 from tests.unit.test_spec_device_drafts import greedy_and_seeded  # noqa: E402
@@ -48,20 +49,21 @@ def random_chains(rng, k_max: int, n: int):
     return rows
 
 
-def expected(stream, anchor, chain, k):
+def expected(stream, anchor, chain, k, n_min=1, n_max=3):
+    """The chain's tokens after its head where the head is right and one follows; else the n-gram
+    search's over the stream."""
     m = len(stream) - anchor
-    if m > len(chain) or chain[:m] != stream[anchor:]:
-        return []
     out = []
-    for x in chain[m:m + k]:
-        if x == NO_DRAFT:
-            break
-        out.append(x)
-    return out
+    if m <= len(chain) and chain[:m] == stream[anchor:]:
+        for x in chain[m:m + k]:
+            if x == NO_DRAFT:
+                break
+            out.append(x)
+    return out or NgramProposer(n_min, n_max, stream).propose(k)
 
 
-def synced(k_max, rows):
-    dev = DeviceChains(k_max, 64, k_max + 1, len(rows), CPU)
+def synced(k_max, rows, n_min=1, n_max=3):
+    dev = DeviceChains(k_max, n_min, n_max, 64, k_max + 1, len(rows), CPU)
     for i, (stream, _, _, _) in enumerate(rows):
         dev.assign(f"r{i}")
     dev.sync([(f"r{i}", r[0], -1) for i, r in enumerate(rows)], torch.zeros(1, dtype=torch.long))
@@ -70,7 +72,7 @@ def synced(k_max, rows):
     return dev, slots, chains
 
 
-def test_a_chain_drafts_only_where_its_head_is_what_the_step_in_flight_emitted():
+def test_a_chain_drafts_where_its_head_is_what_the_step_in_flight_emitted_else_the_ngram_search():
     rng = random.Random(2)
     for _ in range(100):
         k_max = rng.randint(1, 5)
@@ -99,7 +101,7 @@ def test_the_feed_kernel_takes_host_chains_as_its_torch_twin_does():
         meta = torch.tensor([slots.tolist(), ks, caps, [len(r[0]) - 1 for r in rows]], dtype=torch.long)
         ids = torch.zeros(4, 4 * q, dtype=torch.long)
         drafts, _ = feed(dev.hist, dev.hlen, meta, torch.zeros(4, mb, dtype=torch.int32), ids,
-                         torch.zeros(4, dtype=torch.int32), lead=dev.lead, n_min=1, n_max=1, q=q, block_size=bs,
+                         torch.zeros(4, dtype=torch.int32), lead=dev.lead, n_min=1, n_max=3, q=q, block_size=bs,
                          limit=mb * bs, chains=chains.contiguous())
         want, length = dev.propose(slots, torch.tensor(ks), q - 1, 64, chains=chains)
         assert torch.equal(drafts, want), trial

@@ -10,8 +10,9 @@ history's suffix (at most N_MAX); the best end has the longest run (>= N_MIN), t
 those; the drafts are what followed it, up to the row's k. Then the row's Q tokens: its last token
 and its drafts (0 where none), positions p + j (p = L - 1), KV slots from the block table (-1 past
 the row's cap), the context length p + Q (the stride-Q layout), and p - start_lo (the shift of
-random rows' draw positions). With host chains (CH > 0: spec/device_chains.py) the drafts are
-instead the chain's tokens after its head, where the head equals the row's tokens past the anchor."""
+random rows' draw positions). With chains (CH > 0: spec/device_chains.py) the drafts are the
+chain's tokens after its head, where the head equals the row's tokens past the anchor and a draft
+follows; elsewhere the n-gram search's."""
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,31 @@ def _feed_kernel(hist_ptr, hlen_ptr, meta_ptr, chains_ptr, tables_ptr, drafts_pt
     base = hist_ptr + slot * width + LEAD
     length = tl.load(hlen_ptr + slot)
     j = tl.arange(0, QP).to(tl.int64)
+    # The n-gram search: the method's own proposal, and a host chain's stand-in where it broke.
+    best = tl.full((), -1, tl.int64)
+    for e0 in range(0, length - 1, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
+        alive = e <= length - 2
+        run = tl.zeros((BLOCK_E,), tl.int64)
+        for t in tl.static_range(N_MAX):
+            s_t = tl.load(base + length - 1 - t)
+            tok = tl.load(base + e - t, mask=alive, other=PAD)
+            alive = alive & (tok == s_t)
+            run += alive.to(tl.int64)
+        score = tl.where(run >= N_MIN, run * BIG + e, -1)
+        best = tl.maximum(best, tl.max(score, axis=0))
+    found = (j * 0 + best) >= 0
+    e_best = best % BIG
+    c_d = e_best + 1 + j
+    d_ok = found & (j < Q - 1) & (j < k) & (c_d < length)
+    d = tl.load(base + c_d, mask=d_ok, other=-1).to(tl.int64)
+    # Token j >= 1 of the row is draft j - 1 (0 where none).
+    c_prev = e_best + j
+    prev_ok = found & (j >= 1) & (j - 1 < k) & (c_prev < length) & (j < Q)
+    prev = tl.load(base + c_prev, mask=prev_ok, other=0).to(tl.int64)
     if CH > 0:
-        # A host chain (spec/device_chains.py): its head must be the tokens emitted since its anchor.
+        # A chain (spec/device_chains.py) counts where its head is the tokens emitted since its
+        # anchor and it has a draft after them.
         cbase = chains_ptr + i * (CH + 1)
         anchor = tl.load(cbase)
         m = length - anchor
@@ -49,34 +73,13 @@ def _feed_kernel(hist_ptr, hlen_ptr, meta_ptr, chains_ptr, tables_ptr, drafts_pt
         chain = tl.load(cbase + 1 + c, mask=c < CH, other=-1)
         seen = tl.load(base + anchor + c, mask=head, other=0).to(tl.int64)
         bad = tl.sum((head & (seen != chain)).to(tl.int32), axis=0)
-        found = ((j * 0 + bad) == 0) & ((j * 0 + m) <= CH)
-        d_ok = found & (j < Q - 1) & (j < k) & (m + j < CH)
-        d = tl.load(cbase + 1 + m + j, mask=d_ok, other=-1)
-        prev_ok = found & (j >= 1) & (j - 1 < k) & (m + j - 1 < CH) & (j < Q)
-        prev = tl.load(cbase + m + j, mask=prev_ok, other=0)
-        prev = tl.where(prev < 0, 0, prev)
-    else:
-        best = tl.full((), -1, tl.int64)
-        for e0 in range(0, length - 1, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
-            alive = e <= length - 2
-            run = tl.zeros((BLOCK_E,), tl.int64)
-            for t in tl.static_range(N_MAX):
-                s_t = tl.load(base + length - 1 - t)
-                tok = tl.load(base + e - t, mask=alive, other=PAD)
-                alive = alive & (tok == s_t)
-                run += alive.to(tl.int64)
-            score = tl.where(run >= N_MIN, run * BIG + e, -1)
-            best = tl.maximum(best, tl.max(score, axis=0))
-        found = (j * 0 + best) >= 0
-        e_best = best % BIG
-        c_d = e_best + 1 + j
-        d_ok = found & (j < Q - 1) & (j < k) & (c_d < length)
-        d = tl.load(base + c_d, mask=d_ok, other=-1).to(tl.int64)
-        # Token j >= 1 of the row is draft j - 1 (0 where none).
-        c_prev = e_best + j
-        prev_ok = found & (j >= 1) & (j - 1 < k) & (c_prev < length) & (j < Q)
-        prev = tl.load(base + c_prev, mask=prev_ok, other=0).to(tl.int64)
+        first = tl.load(cbase + 1 + m, mask=(bad == 0) & (m < CH), other=-1)
+        held = (j * 0 + bad == 0) & (j * 0 + m < CH) & (j * 0 + first >= 0) & (j * 0 + k > 0)
+        c_ok = held & (j < Q - 1) & (j < k) & (m + j < CH)
+        d = tl.where(held, tl.load(cbase + 1 + m + j, mask=c_ok, other=-1), d)
+        cp_ok = held & (j >= 1) & (j - 1 < k) & (m + j - 1 < CH) & (j < Q)
+        prev_c = tl.load(cbase + m + j, mask=cp_ok, other=0)
+        prev = tl.where(held, tl.where(prev_c < 0, 0, prev_c), prev)
     tl.store(drafts_ptr + i * (Q - 1) + j, d, mask=j < Q - 1)
     p = length - 1
     tok0 = tl.load(base + p).to(tl.int64)

@@ -10,8 +10,10 @@ chain of at most `chain_len` = 2K + 1 tokens, anchored at the host's token count
 (kernels/spec_fed.feed, or `propose` here on a CPU) the row's real tokens past the anchor (what
 step N emitted, appended behind its sampler: DeviceNgram's rows) are compared with the chain's
 head: where they are equal, the chain's next tokens are the row's drafts; where not (step N
-rejected a draft, or the guess of its bonus token was wrong), the row drafts nothing this step
-and its verify positions are plain ones. Verification does not care where drafts come from
+rejected a draft, or the guess of its bonus token was wrong), or where the chain has nothing after
+them, the row's drafts are the n-gram search's over its own tokens on the device (device_ngram.py,
+`prompt_lookup_min/max`): after a rejection the text usually goes on as before the draft went
+wrong, and that search finds it. Verification does not care where drafts come from
 (point-mass proposals, spec/verify.py), so tokens stay exactly plain decoding's.
 
 The draft model's chain is its greedy continuation from the host's tokens (its KV caught up on
@@ -28,8 +30,10 @@ from services.worker.spec.device_ngram import NO_DRAFT, DeviceNgram
 
 
 class DeviceChains(DeviceNgram):
-    def __init__(self, k_max: int, max_len: int, max_width: int, num_slots: int, device: torch.device) -> None:
-        super().__init__(1, 1, max_len, max_width, num_slots, device)
+    def __init__(self, k_max: int, n_min: int, n_max: int, max_len: int, max_width: int, num_slots: int,
+                 device: torch.device) -> None:
+        """n_min, n_max: the n-gram search a row falls back to where its chain broke."""
+        super().__init__(n_min, n_max, max_len, max_width, num_slots, device)
         self.chain_len = 2 * k_max + 1      # step N's tokens (<= K + 1), then K drafts
 
     def host_chains(self, spec, scheduled, ks: list[int]) -> list[int]:
@@ -67,10 +71,10 @@ class DeviceChains(DeviceNgram):
                 chains: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The feed's torch twin: chains [n, chain_len + 1] (anchor, then the chain) -> (drafts
         [n, k_max] long, NO_DRAFT where none; lengths [n])."""
-        length = self.hlen.index_select(0, slots)                                  # [n]
-        n, ch = slots.shape[0], self.chain_len
+        fallback, length = super().propose(slots, ks, k_max, span)                # the n-gram search
+        ch = self.chain_len
         if chains is None or k_max <= 0:
-            return torch.full((n, max(k_max, 0)), NO_DRAFT, dtype=torch.long, device=slots.device), length
+            return fallback, length
         anchor, chain = chains[:, 0], chains[:, 1:]                                # [n], [n, ch]
         m = length - anchor                                                        # tokens emitted since
         c = torch.arange(ch, device=slots.device)
@@ -81,4 +85,5 @@ class DeviceChains(DeviceNgram):
         idx = m[:, None] + j[None, :]                                              # [n, k_max]
         valid = ~broken[:, None] & (j[None, :] < ks[:, None]) & (idx < ch)
         drafts = torch.where(valid, chain.gather(1, idx.clamp(max=ch - 1)), NO_DRAFT)
-        return drafts, length
+        held = drafts[:, 0] != NO_DRAFT                                            # a draft after the head
+        return torch.where(held[:, None], drafts, fallback), length

@@ -65,7 +65,8 @@ def device_proposer(cfg, max_len: int, device: torch.device):
         return DeviceNgram(cfg.prompt_lookup_min, cfg.prompt_lookup_max, max_len, cfg.num_speculative_tokens + 1,
                            FED_SLOTS, device)
     from services.worker.spec.device_chains import DeviceChains
-    return DeviceChains(cfg.num_speculative_tokens, max_len, cfg.num_speculative_tokens + 1, FED_SLOTS, device)
+    return DeviceChains(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, max_len,
+                        cfg.num_speculative_tokens + 1, FED_SLOTS, device)
 
 
 def eligible(st) -> bool:
