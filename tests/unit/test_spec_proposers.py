@@ -85,8 +85,10 @@ def joined(seqs: list[list[int]]) -> tuple[np.ndarray, list[int]]:
 def test_suffix_proposals_equal_an_exhaustive_search(seed):
     rng = random.Random(seed)
     for _ in range(40):
-        seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 60))] for _ in range(rng.randrange(1, 4))]
-        context = [rng.randrange(4) for _ in range(rng.randrange(0, 9))]
+        # A small alphabet (many occurrences) or a larger one (single occurrences: copied text).
+        vocab = rng.choice([4, 4, 12])
+        seqs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(rng.randrange(1, 4))]
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
         depth, k, min_prob = rng.choice([1, 2, 4, 8]), rng.randrange(1, 9), rng.choice([0.0, 0.1, 0.4, 0.9])
         assert propose(*joined(seqs), context, k, depth, min_prob) == brute_suffix(seqs, context, k, depth, min_prob)
 

@@ -103,6 +103,17 @@ def walk(match, toks: list[int], context: list[int], k: int, depth: int,
                 break
             if not out:
                 matched = d
+        if len(ends) == 1:
+            # One occurrence (a passage copied once): its continuation up to the end of its text,
+            # with the probability unchanged, as token-by-token steps would take it.
+            p = ends[0]
+            seg = toks[p + 1:p + 1 + k - len(out)]
+            if SENTINEL in seg:
+                seg = seg[:seg.index(SENTINEL)]
+            out.extend(seg)
+            ctx = (ctx + seg)[-(depth - 1):] if depth > 1 else []
+            ends = []           # the draft is full, or this text ended: match the context again
+            continue
         conts = [toks[p + 1] for p in ends]
         token, count = _most_frequent(conts)
         prob *= count / len(conts)
