@@ -221,7 +221,11 @@ class ModelRunner:
             decoder.device = device_steps.device_proposer(cfg, self.model.max_model_len, self.model.device)
             if self.gpu is not None:   # imports triton: GPU only
                 from services.worker.gpu_fed import warm_up
-                warm_up(self.gpu, decoder.device, device_steps.widths(self, 1))
+                try:
+                    warm_up(self.gpu, decoder.device, device_steps.widths(self, 1))
+                except Exception:  # noqa: BLE001 - speculation still works, on the host path
+                    log.exception("device-fed speculative steps are off: their kernels failed to build")
+                    decoder.device = None
         if self.gpu is not None and self.gpu.graph_sizes:
             self.graph_capture_s += self.gpu.capture_verify(decoder.cfg.num_speculative_tokens)
 

@@ -171,3 +171,23 @@ def test_chains_through_the_executors_stride_q_layout_give_plain_decodings_token
                                                           max_num_seqs=8, graph_sizes=None))
     assert got == want and depth == 2
     assert max(picked) > 1 and s.runner.spec.fed_steps > 0 and s.runner.spec.drafted > 0
+
+
+def test_kernels_that_fail_to_build_leave_speculation_on_the_host_path(model, monkeypatch):
+    """A feed/commit kernel that cannot be compiled at start-up (a driver or Triton problem) turns
+    device-fed steps off instead of stopping the worker."""
+    pytest.importorskip("triton")
+    import services.worker.gpu_fed as gpu_fed
+    from services.worker.gpu_exec import GpuExecutor
+    from services.worker.runner import ModelRunner
+    from services.worker.spec.decoder import SpecDecoder
+    from tests.overlap_driver import BLOCK
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel today")
+    monkeypatch.setattr(gpu_fed, "warm_up", broken)
+    runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=BLOCK)
+    runner.hello(BLOCK)
+    runner.gpu = GpuExecutor(model, runner.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None)
+    runner.enable_spec(SpecDecoder(SUFFIX))
+    assert runner.spec is not None and runner.spec.device is None
