@@ -262,6 +262,7 @@ def main() -> int:
             spec = parse_spec_config(spec_json) if spec_json else None
             runner.spec = None
             os.environ["MESHLLM_DEVICE_DRAFTS"] = "0" if method.endswith("_host") else "1"
+            os.environ["MESHLLM_DEVICE_CHAINS"] = "0" if method.endswith("_host") else "1"
             if spec is not None:
                 draft = None
                 if spec.method == "draft_model":

@@ -217,7 +217,8 @@ class ModelRunner:
         graphs (gpu_verify.py), captured now against the current cache."""
         self.spec = decoder
         cfg = decoder.cfg
-        if not decoder.follower and device_steps.enabled():
+        if not decoder.follower and device_steps.enabled() and (
+                cfg.method == "ngram" or device_steps.chains_enabled(self.model.device)):
             decoder.device = device_steps.device_proposer(cfg, self.model.max_model_len, self.model.device)
             if self.gpu is not None:   # imports triton: GPU only
                 from services.worker.gpu_fed import warm_up

@@ -49,6 +49,7 @@ def test_suffix_chains_fed_from_the_device_replay_graphs_and_give_plain_decoding
     """Suffix decoding's host chains (spec/device_chains.py) through the feed kernel and the verify
     graphs: three at a time, the last three repeating the first three (greedy and seeded, so their
     outputs repeat and the shared store of finished outputs gives their chains)."""
+    monkeypatch.setenv("MESHLLM_DEVICE_CHAINS", "1")
     import services.worker.gpu_fed as gpu_fed
     eager = []
     orig = gpu_fed.compute_logits_triton
@@ -71,6 +72,7 @@ def test_suffix_chains_fed_from_the_device_replay_graphs_and_give_plain_decoding
 def test_draft_model_chains_fed_from_the_device_give_plain_decodings_tokens(model, monkeypatch, tmp_path):
     """The draft model (the tiny model drafting for itself, its own executor and graphs) drafts its
     chains on the device before each step's forward; nothing waits for the step before."""
+    monkeypatch.setenv("MESHLLM_DEVICE_CHAINS", "1")
     import services.worker.gpu_fed as gpu_fed
     eager = []
     orig = gpu_fed.compute_logits_triton

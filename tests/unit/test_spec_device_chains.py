@@ -191,3 +191,13 @@ def test_kernels_that_fail_to_build_leave_speculation_on_the_host_path(model, mo
     runner.gpu = GpuExecutor(model, runner.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None)
     runner.enable_spec(SpecDecoder(SUFFIX))
     assert runner.spec is not None and runner.spec.device is None
+
+
+def test_chains_are_on_by_default_except_on_cuda_where_they_wait_to_be_measured(monkeypatch):
+    from services.worker.spec.device_steps import chains_enabled
+    monkeypatch.delenv("MESHLLM_DEVICE_CHAINS", raising=False)
+    assert chains_enabled(CPU) and not chains_enabled(torch.device("cuda"))
+    monkeypatch.setenv("MESHLLM_DEVICE_CHAINS", "1")
+    assert chains_enabled(torch.device("cuda"))
+    monkeypatch.setenv("MESHLLM_DEVICE_CHAINS", "0")
+    assert not chains_enabled(CPU)

@@ -57,6 +57,14 @@ class FedStep:
     ks: list[int]
 
 
+def chains_enabled(device: torch.device) -> bool:
+    """Device-fed suffix and draft-model steps (chains): MESHLLM_DEVICE_CHAINS=1 / 0; unset, on
+    except on CUDA, where they have not run yet (they were written when no GPU could be had: see
+    docs/speculative_decoding.md; the host path serves those methods there until measured)."""
+    flag = os.environ.get("MESHLLM_DEVICE_CHAINS")
+    return flag == "1" if flag is not None else device.type != "cuda"
+
+
 def device_proposer(cfg, max_len: int, device: torch.device):
     """The device side of a method's drafts: n-gram rows searched on the device, or the suffix
     proposer's host chains or the draft model's device ones checked there (spec/device_chains.py)."""
