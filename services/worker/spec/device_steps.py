@@ -1,7 +1,7 @@
-"""Device-fed speculative steps: n-gram drafts proposed on the device while the previous step
-still runs, so a speculating step keeps its overlap with the host (MRv2's design: the next
-step is planned before this one's acceptance is known, and the accepted count is fed forward on
-the device).
+"""Device-fed speculative steps: n-gram drafts proposed on the device (or suffix and draft-model
+chains checked there: spec/device_chains.py) while the previous step still runs, so a speculating
+step keeps its overlap with the host (MRv2's design: the next step is planned before this one's
+acceptance is known, and the accepted count is fed forward on the device).
 
 A step is device-fed when every row is a decode row of a request whose sampling reads no host
 token history (greedy or random; no penalties, no grammar, min_tokens reached), at most one step
