@@ -20,7 +20,7 @@ from services.worker.spec.device_ngram import NO_DRAFT  # noqa: E402
 from services.worker.spec.ngram import NgramProposer  # noqa: E402
 from tests.overlap_driver import run  # noqa: E402
 from tests.unit.test_spec_decoding import repetitive  # noqa: E402
-from tests.unit.test_spec_device_drafts import greedy_and_seeded  # noqa: E402
+from tests.unit.test_spec_device_drafts import _executor, greedy_and_seeded, random_widths  # noqa: E402
 from tests.unit.tiny_llama import make_tiny_llama  # noqa: E402
 
 SUFFIX = parse_spec_config({"method": "suffix", "num_speculative_tokens": 4})
@@ -152,23 +152,13 @@ def test_smollm2_copying_a_passage_accepts_most_suffix_chain_drafts_in_overlappe
 def test_chains_through_the_executors_stride_q_layout_give_plain_decodings_tokens(model, monkeypatch):
     """gpu_fed.run_fed with chains (the GPU path, under the interpreter), at seeded random widths."""
     pytest.importorskip("triton")
-    import services.worker.spec.device_steps as device_steps
-    from services.worker.gpu_exec import GpuExecutor
-    from tests.overlap_driver import BLOCK
-    rng = random.Random(8)
-    picked = []
-
-    def pick(spec, rows, n, widths):
-        picked.append(rng.choice(widths))
-        return picked[-1]
-    monkeypatch.setattr(device_steps, "_choose_width", pick)
+    picked = random_widths(monkeypatch, 8)
     # Two at a time, the last two repeating the first two (greedy): the shared store of finished
     # outputs gives their chains.
     ps, sps = repetitive(2) * 2, [pb.common.SamplingParams(ignore_eos=True)] * 4
     want, _, _, _ = run(model, ps, sps, overlap=False, new_tokens=8, max_seqs=2)
     got, _, s, depth = run(model, ps, sps, overlap=True, new_tokens=8, spec=SUFFIX, max_seqs=2,
-                           executor=lambda r: GpuExecutor(model, r.kv_caches, BLOCK, max_num_tokens=64,
-                                                          max_num_seqs=8, graph_sizes=None))
+                           executor=_executor(model))
     assert got == want and depth == 2
     assert max(picked) > 1 and s.runner.spec.fed_steps > 0 and s.runner.spec.drafted > 0
 

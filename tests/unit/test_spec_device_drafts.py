@@ -300,6 +300,19 @@ def test_the_width_choice_follows_measured_step_periods():
     assert _choose_width(spec, rows, 32, [1, 2, 3, 5]) == 5
 
 
+def random_widths(monkeypatch, seed: int) -> list[int]:
+    """The device-fed width choice replaced by a seeded random one -> the widths it picks."""
+    import services.worker.spec.device_steps as device_steps
+    rng = random.Random(seed)
+    picked: list[int] = []
+
+    def pick(spec, rows, n, widths):
+        picked.append(rng.choice(widths))
+        return picked[-1]
+    monkeypatch.setattr(device_steps, "_choose_width", pick)
+    return picked
+
+
 @pytest.mark.parametrize("layout", ["reference", "executor"])
 def test_any_sequence_of_widths_gives_plain_decodings_tokens(model, monkeypatch, layout):
     """Whatever width the cost model picks step after step (here a seeded random one: wide, one
@@ -307,14 +320,7 @@ def test_any_sequence_of_widths_gives_plain_decodings_tokens(model, monkeypatch,
     plain decoding's."""
     if layout == "executor":
         pytest.importorskip("triton")
-    import services.worker.spec.device_steps as device_steps
-    rng = random.Random(3)
-    picked = []
-
-    def pick(spec, rows, n, widths):
-        picked.append(rng.choice(widths))
-        return picked[-1]
-    monkeypatch.setattr(device_steps, "_choose_width", pick)
+    picked = random_widths(monkeypatch, 3)
     n, new = (2, 8) if layout == "executor" else (6, 20)
     ps, sps = repetitive(n), greedy_and_seeded(n)
     want, _, _, _ = run(model, ps, sps, overlap=False, new_tokens=new, num_blocks=64)

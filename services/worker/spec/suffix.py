@@ -59,9 +59,14 @@ def longest_match(arr: np.ndarray, toks: list[int], ctx: list[int], max_len: int
     ends = [p for p in np.flatnonzero(arr[:-1] == ctx[-1]).tolist() if toks[p + 1] != SENTINEL]
     if not ends:
         return [], 0
-    d = 1
-    # Occurrences of a longer suffix are a subset of a shorter one's (same ends): extend while any is left.
-    while d < min(max_len, len(ctx)):
+    return extend_match(toks, ctx, ends, 1, min(max_len, len(ctx)))
+
+
+def extend_match(toks: list[int], ctx: list[int], ends: list[int], d: int, limit: int) -> tuple[list[int], int]:
+    """The ends of the occurrences of ctx's last d tokens in `toks`, narrowed to the longest
+    suffix of ctx (at most `limit` tokens) that still occurs, and that suffix's length.
+    Occurrences of a longer suffix are a subset of a shorter one's (same ends)."""
+    while d < limit:
         c = ctx[-1 - d]
         longer = [p for p in ends if p >= d and toks[p - d] == c]
         if not longer:

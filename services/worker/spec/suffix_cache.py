@@ -21,7 +21,7 @@ from array import array
 from bisect import bisect_left
 from collections import deque
 
-from services.worker.spec.suffix import SENTINEL, walk
+from services.worker.spec.suffix import SENTINEL, extend_match, walk
 
 ANCHOR = 3                # the longer index key: the last ANCHOR tokens of a context
 MAX_OCCURRENCES = 64      # occurrences of a context followed at once (the most recent)
@@ -104,14 +104,7 @@ class SuffixCache:
             ends, d = self._recent(self._by_token.get(ctx[-1])), 1
             if not ends:
                 return [], 0
-        ends = [p - base for p in ends]
-        while d < limit:
-            c = ctx[-1 - d]
-            longer = [p for p in ends if p >= d and toks[p - d] == c]
-            if not longer:
-                break
-            ends, d = longer, d + 1
-        return ends, d
+        return extend_match(toks, ctx, [p - base for p in ends], d, limit)
 
     def propose(self, context: list[int], k: int, min_prob: float) -> tuple[list[int], int]:
         """Up to k tokens continuing context from the stored outputs, and the context match's length."""
