@@ -44,13 +44,13 @@ class _DraftSeq:
     computed: int = 0                       # tokens [0, computed) have draft KV
     fed_at: int = 0                         # drafts fed at positions fed_at.. (step 2 above)
     fed: list[int] = field(default_factory=list)
-    fed_dev: tuple | None = None            # chains: (_Fed, row, count) until read (extend)
+    fed_dev: tuple | None = None            # chains: (_Fed, row, count) until read (_settle)
     used: int = 0                           # the proposal clock when it last drafted (LRU)
 
 
 @dataclass
 class _Fed:
-    """A chain step's drafts on their way to the host: read (once) by the first extend after it."""
+    """A chain step's drafts on their way to the host: read when the request next drafts (_settle)."""
     host: torch.Tensor                      # [rows, k_max] long (pinned on a GPU)
     event: object | None                    # torch.cuda.Event recorded after the copy (None on a CPU)
 
@@ -194,7 +194,7 @@ class DraftModel:
         """Device-fed steps (spec/device_chains.py): rows (request id, tokens wanted, 0 for none)
         -> [len(rows), width] long on the device: each row's greedy continuation of the tokens the
         host has, NO_DRAFT past its length and for rows without room. Nothing is read here: the
-        fed tokens reach the host when the next step is resolved (extend), behind an event."""
+        fed tokens reach the host, behind an event, when the request next drafts (_settle)."""
         from services.worker.spec.device_ngram import NO_DRAFT
         out = torch.full((len(rows), width), NO_DRAFT, dtype=torch.long, device=self.model.device)
         index = {rid: i for i, (rid, _) in enumerate(rows)}
