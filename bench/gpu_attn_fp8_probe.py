@@ -9,7 +9,9 @@ timed with parts switched off or changed, on one GPU:
 - load_only: both loads, a sum instead of the dots (timing only);
 - v_t: V stored transposed per block and head ([d, BS] runs), so the p.V dot's B operand is
   K-major like K's (must equal the served output);
-- bf16 cache: the served kernel over a bf16 cache (twice the bytes).
+- bf16 cache: the served kernel over a bf16 cache (twice the bytes);
+- --fp8-dots: q.k and/or p.v on the FP8 tensor cores (q quantised per row, p scaled by 448), so
+  no K/V tile is widened to fp16; reports the extra error against the served output.
 
   python3 bench/gpu_attn_fp8_probe.py --out $OUT/gpu_attn_fp8_probe.json
 """
@@ -37,8 +39,11 @@ LOG2E = 1.4426950408889634
 def _probe_kernel(q_ptr, o_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sm_scale_log2, stride_q,
                   s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_vd, stride_bt,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  BS: tl.constexpr, MODE: tl.constexpr, V_T: tl.constexpr):
+                  BS: tl.constexpr, MODE: tl.constexpr, V_T: tl.constexpr,
+                  QK8: tl.constexpr = False, PV8: tl.constexpr = False):
     # MODE 0: as served; 1: no q.k dot; 2: no p.v dot; 3: loads only.
+    # QK8: q quantised per row to e4m3 (amax -> 448) and q.k on the FP8 tensor cores (no K widening);
+    # PV8: p scaled by 448 to e4m3 and p.v on the FP8 tensor cores (no V widening).
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(lens_ptr + seq)
@@ -47,7 +52,13 @@ def _probe_kernel(q_ptr, o_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sm_scale_log2, s
     row_ok = rows < G
     dims = tl.arange(0, D)
     q = tl.load(q_ptr + seq * stride_q + head[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
-    q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    if QK8:
+        q32 = q.to(tl.float32)
+        q_sc = tl.maximum(tl.max(tl.abs(q32), 1), 1e-12) / 448.0                     # [BLOCK_M]
+        q = (q32 / q_sc[:, None]).to(k_ptr.dtype.element_ty)
+        row_sc = q_sc * sm_scale_log2
+    else:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -57,15 +68,23 @@ def _probe_kernel(q_ptr, o_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sm_scale_log2, s
         k_ok = k_pos < ctx
         blk = tl.load(bt_ptr + seq * stride_bt + k_pos // BS, mask=k_ok, other=0).to(tl.int64)
         k_off = (blk * s_kb + (k_pos % BS) * s_ks + kvh * s_kh)[:, None] + dims[None, :]
-        k = tl.load(k_ptr + k_off, mask=k_ok[:, None], other=0.0).to(tl.float16)          # [N, D]
+        k = tl.load(k_ptr + k_off, mask=k_ok[:, None], other=0.0)                         # [N, D]
+        if not QK8:
+            k = k.to(tl.float16)
         if V_T:
             v_off = (blk * s_vb + (k_pos % BS) * s_vs + kvh * s_vh)[None, :] + dims[:, None] * s_vd
-            vt = tl.load(v_ptr + v_off, mask=k_ok[None, :], other=0.0).to(tl.float16)     # [D, N]
+            vt = tl.load(v_ptr + v_off, mask=k_ok[None, :], other=0.0)                    # [D, N]
+            if not PV8:
+                vt = vt.to(tl.float16)
         else:
             v_off = (blk * s_vb + (k_pos % BS) * s_vs + kvh * s_vh)[:, None] + dims[None, :]
-            v = tl.load(v_ptr + v_off, mask=k_ok[:, None], other=0.0).to(tl.float16)      # [N, D]
+            v = tl.load(v_ptr + v_off, mask=k_ok[:, None], other=0.0)                     # [N, D]
+            if not PV8:
+                v = v.to(tl.float16)
         if MODE == 1 or MODE == 3:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :] * 1e-9
+        elif QK8:
+            s = tl.dot(q, tl.trans(k)) * row_sc[:, None]
         else:
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale_log2
         s = tl.where(k_ok[None, :], s, float("-inf"))
@@ -79,6 +98,12 @@ def _probe_kernel(q_ptr, o_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sm_scale_log2, s
                 acc = acc * alpha[:, None] + tl.sum(vt.to(tl.float32), 1)[None, :]
             else:
                 acc = acc * alpha[:, None] + tl.sum(v.to(tl.float32), 0)[None, :]
+        elif PV8:
+            p8 = (p * 448.0).to(v_ptr.dtype.element_ty)
+            if V_T:
+                acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt)) * (1.0 / 448.0)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p8, v) * (1.0 / 448.0)
         else:
             if V_T:
                 acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(vt)).to(tl.float32)
@@ -90,14 +115,15 @@ def _probe_kernel(q_ptr, o_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sm_scale_log2, s
              mask=row_ok[:, None])
 
 
-def probe(q, kc, vc, tables, lens, mode: int, v_t: bool, warps: int, stages: int, block_n: int = 64):
+def probe(q, kc, vc, tables, lens, mode: int, v_t: bool, warps: int, stages: int, block_n: int = 64,
+          qk8: bool = False, pv8: bool = False):
     out = torch.empty_like(q)
     b = q.shape[0]
     _probe_kernel[(b, KVH)](q, out, kc, vc, tables, lens, D ** -0.5 * LOG2E, q.stride(0),
                             kc.stride(0), kc.stride(1), kc.stride(2),
                             vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3), tables.stride(0),
                             G=NH // KVH, BLOCK_M=16, BLOCK_N=block_n, D=D, BS=BS, MODE=mode, V_T=v_t,
-                            num_warps=warps, num_stages=stages)
+                            QK8=qk8, PV8=pv8, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -105,6 +131,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_attn_fp8_probe.json")
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--fp8-dots", action="store_true", help="only the served kernels and the FP8-dot variants")
     a = p.parse_args()
     x = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -135,6 +162,7 @@ def main() -> int:
             row = {"ms": ms, "over_fp8_floor": ms / floor_ms}
             if check is not None:
                 row["max_abs_diff_vs_served"] = float((o.float() - check.float()).abs().max())
+                row["rel_l2_vs_served"] = float((o.float() - check.float()).norm() / check.float().norm())
         except Exception as exc:  # noqa: BLE001
             row = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         res["runs"][name] = row
@@ -142,7 +170,16 @@ def main() -> int:
     served = paged_attention(q, cache8, tables, qsl, lens, 1, D ** -0.5)
     bench("served_fp8", lambda: paged_attention(q, cache8, tables, qsl, lens, 1, D ** -0.5))
     bench("served_bf16_cache", lambda: paged_attention(q, cache16, tables, qsl, lens, 1, D ** -0.5))
-    for w, st in ((2, 6), (4, 4), (2, 3)):
+    if a.fp8_dots:
+        # The served fp8 kernel's own error against the bf16 cache it was quantised from, for scale.
+        bench("served_fp8_vs_bf16_cache", lambda: paged_attention(q, cache8, tables, qsl, lens, 1, D ** -0.5),
+              paged_attention(q, cache16, tables, qsl, lens, 1, D ** -0.5))
+        for w, st in ((2, 3), (2, 6), (4, 3)):
+            for qk8, pv8, vt in ((True, False, False), (False, True, False), (True, True, False), (True, True, True)):
+                name = f"{'qk8_' if qk8 else ''}{'pv8_' if pv8 else ''}{'vt_' if vt else ''}w{w}_s{st}"
+                bench(name, lambda: probe(q, cache8[0], vt_view if vt else cache8[1], tables, lens, 0, vt, w, st,
+                                          qk8=qk8, pv8=pv8), served)
+    for w, st in (() if a.fp8_dots else ((2, 6), (4, 4), (2, 3))):
         for mode, name in ((0, "copy"), (1, "no_qk"), (2, "no_pv"), (3, "load_only")):
             bench(f"{name}_w{w}_s{st}", lambda: probe(q, cache8[0], cache8[1], tables, lens, mode, False, w, st),
                   served if mode == 0 else None)
