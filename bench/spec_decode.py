@@ -78,6 +78,36 @@ def chat_ids(tok, text: str) -> list[int]:
 
 PROFILER = None   # cProfile.Profile of the submits (--profile-submits)
 PROFILE: dict[str, list[float]] = {}   # host seconds per submit (device-fed or not) and per collect
+# --time-parts: host functions of a submit timed one by one (module, class or None, function)
+PARTS = [("services.worker.spec.device_steps", None, "launch"), ("services.worker.spec.device_steps", None, "fed_plan"),
+         ("services.worker.spec.device_ngram", "DeviceNgram", "sync"),
+         ("services.worker.spec.device_chains", "DeviceChains", "host_chains"),
+         ("services.worker.sampling", None, "to_device"), ("services.worker.gpu_fed", None, "run_fed"),
+         ("services.worker.gpu_fed", None, "_stage"), ("services.worker.kernels.spec_fed", None, "feed"),
+         ("services.worker.kernels.spec_fed", None, "commit"), ("services.worker.sampling", None, "sample_async"),
+         ("torch.cuda", "CUDAGraph", "replay"), ("services.worker.runner", "ModelRunner", "_launch")]
+
+
+def time_parts() -> dict[str, list[float]]:
+    """Wrap PARTS with timers (seconds per call, appended to the returned dict) for the rest of
+    the process; a name with no calls was not on the path."""
+    import functools
+    import importlib
+    got: dict[str, list[float]] = {}
+    for mod, cls, fn in PARTS:
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        orig = getattr(owner, fn)
+        key = f"{cls or mod.rsplit('.', 1)[-1]}.{fn}"
+
+        def timed(*args, _orig=orig, _key=key, **kw):
+            t = time.perf_counter()
+            try:
+                return _orig(*args, **kw)
+            finally:
+                got.setdefault(_key, []).append(time.perf_counter() - t)
+        setattr(owner, fn, functools.wraps(orig)(timed))
+    return got
 
 
 def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, concurrency: int, spec_tokens: int,
@@ -210,10 +240,13 @@ def main() -> int:
                     help="draft_model: a copy of the model keeping only its first N layers (a smaller drafter "
                          "with the same tokenizer)")
     ap.add_argument("--out", default="bench/results/spec_decode.json")
+    ap.add_argument("--time-parts", action="store_true",
+                    help="time PARTS (the device-fed submit's pieces) per call: each row's parts_ms (mean, p90, calls)")
     ap.add_argument("--profile-submits", action="store_true",
                     help="cProfile the worker's submits of the measured runs (top functions in the JSON)")
     a = ap.parse_args()
     dev = torch.device(a.device)
+    parts = time_parts() if a.time_parts else {}
     block = 16
     draft_dir = a.draft_model
     if a.random_8b:
@@ -275,6 +308,7 @@ def main() -> int:
             # warm-up at this concurrency's own batch (graphs, allocator, the cost model's first steps)
             drive(runner, prompts[:conc], 16, conc, spec.num_speculative_tokens if spec else 0, eos, block)
             tops: dict = {}
+            parts.clear()
             global PROFILER
             if a.profile_submits:
                 import cProfile
@@ -295,6 +329,12 @@ def main() -> int:
                 row["submit_profile_cumulative"] = buf.getvalue().splitlines()[-47:]
                 PROFILER = None
             row["host_ms"] = {k: {"calls": len(v), "mean": 1e3 * sum(v) / len(v)} for k, v in PROFILE.items() if v}
+            for k, v in list(PROFILE.items()) + list(parts.items()):
+                if v and (k in parts or k.startswith("submit")):
+                    v = sorted(v)
+                    row.setdefault("parts_ms" if k in parts else "host_ms_p90", {})[k] = (
+                        {"mean": 1e3 * sum(v) / len(v), "p90": 1e3 * v[int(0.9 * (len(v) - 1))], "max": 1e3 * v[-1],
+                         "calls": len(v)} if k in parts else 1e3 * v[int(0.9 * (len(v) - 1))])
             if runner.spec is not None:
                 row.update(drafted=runner.spec.drafted, accepted=runner.spec.accepted, device_fed_steps=runner.spec.fed_steps,
                            acceptance=runner.spec.accepted / max(1, runner.spec.drafted))
