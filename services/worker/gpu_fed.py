@@ -58,12 +58,13 @@ def run_fed(ex, dev, tables: list[list[int]], caps: list[int], meta: torch.Tenso
 
 
 def warm_up(ex, dev, widths: list[int]) -> None:
-    """Compile the feed and commit kernels for every width (one row and several: PDL differs) at
-    start-up, on scratch rows, so no serving step stalls for a compile."""
+    """Compile the feed and commit kernels for every width at start-up, on scratch rows, so no
+    serving step stalls for a compile: one row, several (PDL differs), and 16 (Triton compiles
+    another variant for an integer argument divisible by 16: the row count of 16- and 32-row steps)."""
     from services.worker.kernels.spec_fed import commit, feed
     for q in widths:
-        for n in (1, 2):
-            if n > ex.max_seqs:
+        for n in (1, 2, 16):
+            if n > min(ex.max_seqs, dev.hlen.shape[0]) or n * q > ex.max_tokens:
                 continue
             dev.hlen[:n] = 1
             meta = torch.tensor([list(range(n)), [q - 1] * n, [ex.block_size] * n, [0] * n], dtype=torch.long,

@@ -263,8 +263,8 @@ def test_the_start_up_warm_up_runs_every_width_and_leaves_the_rows_clean(model):
     from services.worker.spec.device_ngram import PAD
     runner = ModelRunner(model, model_name="tiny", kv_cache_bytes=0, num_kv_blocks=16, block_size=BLOCK)
     runner.hello(BLOCK)
-    ex = GpuExecutor(model, runner.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None)
-    dev = DeviceNgram(1, 3, 64, 5, 4, CPU)
+    ex = GpuExecutor(model, runner.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=16, graph_sizes=None)
+    dev = DeviceNgram(1, 3, 64, 5, 16, CPU)   # 16 rows: the divisible-by-16 variant too
     dev.hist[1, 3:9] = 7
     warm_up(ex, dev, [1, 3])
     assert (dev.hlen == 0).all() and (dev.hist == PAD).all()
