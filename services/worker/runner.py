@@ -218,7 +218,7 @@ class ModelRunner:
         self.spec = decoder
         cfg = decoder.cfg
         if not decoder.follower and device_steps.enabled() and (
-                cfg.method == "ngram" or device_steps.chains_enabled(self.model.device)):
+                cfg.method == "ngram" or device_steps.chains_enabled()):
             decoder.device = device_steps.device_proposer(cfg, self.model.max_model_len, self.model.device)
             if self.gpu is not None:   # imports triton: GPU only
                 from services.worker.gpu_fed import warm_up

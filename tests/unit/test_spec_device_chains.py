@@ -183,11 +183,63 @@ def test_kernels_that_fail_to_build_leave_speculation_on_the_host_path(model, mo
     assert runner.spec is not None and runner.spec.device is None
 
 
-def test_chains_are_on_by_default_except_on_cuda_where_they_wait_to_be_measured(monkeypatch):
+def test_chains_are_on_unless_the_flag_turns_them_off(monkeypatch):
     from services.worker.spec.device_steps import chains_enabled
     monkeypatch.delenv("MESHLLM_DEVICE_CHAINS", raising=False)
-    assert chains_enabled(CPU) and not chains_enabled(torch.device("cuda"))
-    monkeypatch.setenv("MESHLLM_DEVICE_CHAINS", "1")
-    assert chains_enabled(torch.device("cuda"))
+    assert chains_enabled()
     monkeypatch.setenv("MESHLLM_DEVICE_CHAINS", "0")
-    assert not chains_enabled(CPU)
+    assert not chains_enabled()
+
+
+def test_chains_take_the_host_path_where_it_measured_faster():
+    """host_path_pays: nothing until fed steps of the width are measured; then one probe step for
+    the host path (the same answer for every ask of that step, then none for HOST_PROBE_EVERY
+    steps); once both are measured, the faster one in tokens a second; a fixed table, never."""
+    from services.worker.spec.decoder import PERIOD_REVISIT, SpecDecoder
+    from services.worker.spec.device_steps import HOST_PROBE_EVERY, host_path_pays
+    spec = SpecDecoder(SUFFIX)
+    rows = [("r0", 4, 100)]
+    spec.acceptance.update("r0", 8, 6)
+    assert not host_path_pays(spec, rows, 1, 5), "fed steps of width 5 not measured"
+    spec.step_period(1, 5, 2e-3)
+    assert host_path_pays(spec, rows, 1, 5) and host_path_pays(spec, rows, 1, 5), "the probe step"
+    for _ in range(HOST_PROBE_EVERY - 1):
+        spec.acceptance.tick()
+        assert not host_path_pays(spec, rows, 1, 5)
+    # The probe: a host speculating step of one row that accepted 2 drafts in 1 ms (3,000 tok/s)
+    # against fed steps of 2 ms expected to emit 1 + (at most 4 * 0.75 ...) < 6 tokens.
+    spec.step_period(1, 0, 1e-3)
+    spec.host_spec_step(1, 2)
+    assert host_path_pays(spec, rows, 1, 5)
+    for _ in range(8):   # the host path got slower: towards 8 ms a step (375 tok/s; an EWMA)
+        spec.step_period(1, 0, 8e-3)
+        spec.host_spec_step(1, 2)
+    assert not host_path_pays(spec, rows, 1, 5)
+    for _ in range(PERIOD_REVISIT):
+        spec.acceptance.tick()
+    assert not host_path_pays(spec, rows, 1, 5), "fed period forgotten: a fed step measures it again"
+    fixed = SpecDecoder(parse_spec_config({"method": "suffix", "num_speculative_tokens": 4,
+                                           "dynamic_k": [[1, 64, 4]]}))
+    fixed.step_period(1, 5, 2e-3)
+    assert not host_path_pays(fixed, rows, 1, 5)
+
+
+def test_chains_switching_to_the_host_path_and_back_give_plain_decodings_tokens(model, monkeypatch):
+    """Whatever host_path_pays answers step after step (here a seeded random answer), suffix
+    steps alternate between device-fed and host-verified ones with plain decoding's tokens."""
+    import services.worker.spec.device_steps as device_steps
+    rng = random.Random(5)
+    answers: list[bool] = []
+
+    def pays(spec, rows, n, width):
+        answers.append(rng.random() < 0.4)
+        return answers[-1]
+    monkeypatch.setattr(device_steps, "host_path_pays", pays)
+    n, new = 4, 20
+    ps, sps = repetitive(n), greedy_and_seeded(n)
+    want, want_lp, _, _ = run(model, ps, sps, overlap=False, new_tokens=new)
+    got, got_lp, s, _ = run(model, ps, sps, overlap=True, new_tokens=new, spec=SUFFIX)
+    assert got == want
+    for rid in want_lp:
+        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=1e-5)
+    assert True in answers and False in answers and s.runner.spec.fed_steps > 0

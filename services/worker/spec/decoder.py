@@ -69,6 +69,7 @@ class SpecDecoder:
         # paid at this batch, whatever the cost model expected (host_spec_pays).
         self._host_gain: dict[int, tuple[float, int]] = {}
         self.fed_declined_at = -1        # the clock of a step whose device-fed width choice was 1 (no drafts)
+        self.host_probe_at = -(1 << 30)  # the clock of the last step chains left to the host path to measure it
         self._wasted = 0                 # syncs in a row whose proposals the cost model declined
         self._declined = False           # the last drafts() call declined proposals it had
         self._backoff_until = 0          # worth_trying says no before this step (acceptance.clock)
@@ -332,6 +333,16 @@ class SpecDecoder:
         if spec_t is None or plain_t is None or gain is None or self.acceptance.clock - gain[1] >= PERIOD_REVISIT:
             return None
         return (batch + gain[0]) / spec_t >= batch / plain_t
+
+    def host_spec_rate(self, batch: int) -> float | None:
+        """Tokens per second of host speculating steps of about this batch (their rows plus the
+        drafts they accepted, over their measured period), or None when not measured within
+        PERIOD_REVISIT steps (device_steps.host_path_pays)."""
+        spec_t = self.period(batch, 0)
+        gain = self._host_gain.get(batch.bit_length())
+        if spec_t is None or gain is None or self.acceptance.clock - gain[1] >= PERIOD_REVISIT:
+            return None
+        return (batch + gain[0]) / spec_t
 
     def period(self, batch: int, width: int) -> float | None:
         """The measured period of such steps, or None when not measured in PERIOD_REVISIT steps

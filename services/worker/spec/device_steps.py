@@ -36,6 +36,7 @@ from services.worker.spec.dynamic_k import MIN_GAIN, expected_run
 
 FED_SLOTS = 64            # requests with a device row at once
 MAX_FED_ROWS = 32         # rows of a device-fed step with drafts (the verify graphs' largest batch)
+HOST_PROBE_EVERY = 64     # steps: how often chains leave one step to the host path to measure it
 
 
 def enabled() -> bool:
@@ -57,12 +58,12 @@ class FedStep:
     ks: list[int]
 
 
-def chains_enabled(device: torch.device) -> bool:
-    """Device-fed suffix and draft-model steps (chains): MESHLLM_DEVICE_CHAINS=1 / 0; unset, on
-    except on CUDA, where they have not run yet (they were written when no GPU could be had: see
-    docs/speculative_decoding.md; the host path serves those methods there until measured)."""
-    flag = os.environ.get("MESHLLM_DEVICE_CHAINS")
-    return flag == "1" if flag is not None else device.type != "cuda"
+def chains_enabled() -> bool:
+    """Device-fed suffix and draft-model steps (chains): on unless MESHLLM_DEVICE_CHAINS=0 (the
+    host path then serves those methods, as the benchmark's `suffix_host` compares). On GPUs
+    too since measured on the H200; host_path_pays picks the host path per batch where that
+    measures faster."""
+    return os.environ.get("MESHLLM_DEVICE_CHAINS", "1") != "0"
 
 
 def device_proposer(cfg, max_len: int, device: torch.device):
@@ -118,12 +119,38 @@ def fed_plan(runner, plan) -> FedPlan | None:
     if not ws:
         return None
     width = _choose_width(spec, rows, n, ws)
+    if width > 1 and getattr(dev, "chain_len", 0) and host_path_pays(spec, rows, n, width):
+        return None   # host drafts after a sync: measured faster for chains at this batch
     if width == 1 and not must_feed:   # nothing to draft and nothing to feed: a plain overlapped step
         # ... and no host drafts either: the same measures said drafting does not pay this step
         # (else the host path's cost model would sync and draft what this declined).
         spec.fed_declined_at = spec.acceptance.clock
         return None
     return FedPlan(width, {rid: max(0, min(width - 1, room)) for rid, room, _ in rows})
+
+
+def host_path_pays(spec, rows: list[tuple[str, int, int]], n: int, width: int) -> bool:
+    """Chains (suffix, draft model) against the host path, both measured: should this step of n
+    rows take the host path (a sync, then the proposer's drafts from every token) instead of a
+    device-fed step of `width`? Yes when host speculating steps of about n rows have emitted more
+    tokens a second (SpecDecoder.host_spec_rate) than fed steps of this width are expected to
+    (their measured period; the acceptance and chain hit rates measured so far). Where the host
+    path is not measured, one step in HOST_PROBE_EVERY is left to it (the same answer for every
+    ask of that step), once fed steps of this width are. A fixed dynamic_k table, or fed steps not
+    measured, say no. On the H200 (SmolLM2) the host path was the faster at one row (a fed step's
+    host side outweighed its GPU step) and chains at 32 (docs/speculative_decoding.md)."""
+    fed_t = spec.period(n, width)
+    if fed_t is None or spec.cfg.fixed_k(n) is not None:
+        return False
+    host = spec.host_spec_rate(n)
+    clock = spec.acceptance.clock
+    if host is None:
+        if clock - spec.host_probe_at >= HOST_PROBE_EVERY:
+            spec.host_probe_at = clock
+        return spec.host_probe_at == clock
+    acc = spec.acceptance
+    gain = sum(acc.hit(rid) * expected_run(acc.rate(rid), min(width - 1, room)) for rid, room, _ in rows)
+    return host > (n + gain) / fed_t
 
 
 def widths(runner, n: int) -> list[int]:
