@@ -217,3 +217,29 @@ def test_smollm2_drafting_for_itself_accepts_nearly_everything_and_the_metrics_s
     rows = value(SPEC_ROWS) - before[0]
     assert rows > 0 and value(SPEC_DRAFTED_AT, "1") - before[1] == rows
     assert value(SPEC_ACCEPTED_AT, "4") - before[2] > 0, "whole runs of 4 drafts were accepted"
+
+
+def test_a_draft_behind_by_a_long_backlog_is_priced_its_catch_up(dirs):
+    """The draft catches up lazily on every token since a request's last draft: the K choice
+    prices that forward, so a request the draft fell far behind (a stretch of K = 0) does not
+    draft where one it kept up with does (same acceptance, same costs)."""
+    from services.worker.spec.decoder import SpecDecoder
+    from services.worker.spec.dynamic_k import StepCostModel
+    d = DraftModel(load_model(dirs[1]), 64, 4)
+    spec = SpecDecoder(parse_spec_config({"method": "draft_model", "model": str(dirs[1]),
+                                          "num_speculative_tokens": 4}), draft=d)
+    spec.plain_cost = StepCostModel([(1, 10e-3), (64, 12e-3)])
+    spec.spec_cost = StepCostModel([(1, 10e-3), (8, 10.5e-3), (512, 40e-3)])
+    # a draft step of one row costs a quarter of the target's; a forward of 100 tokens ~26 ms
+    spec.draft_cost = StepCostModel([(1, 2.5e-3), (64, 20e-3), (512, 90e-3)])
+    for rid in ("kept", "behind"):
+        spec.start(rid, list(range(4, 20)), 0)
+        spec.acceptance.update(rid, 8, 7)
+    assert set(d.propose([("kept", 2), ("behind", 2)])) == {"kept", "behind"}
+    spec.extend("kept", [5])
+    spec.extend("behind", [4 + i % 20 for i in range(100)])   # 100 tokens since its last draft
+    assert d.backlog(["kept"]) == 1 and d.backlog(["behind"]) == 100
+    assert spec._draft_k([("kept", 4)], 1, 1) > 0
+    assert spec._draft_k([("behind", 4)], 1, 1) == 0
+    d.propose([("behind", 1)])                       # caught up (as after any draft)
+    assert spec._draft_k([("behind", 4)], 1, 1) > 0

@@ -234,8 +234,14 @@ class SpecDecoder:
             return min(fixed, k_max)
         if self.spec_cost is None or self.draft_cost is None:   # not calibrated: draft fully
             return k_max
+        # The draft catches up first on every token since each row's last draft: after a stretch
+        # without drafts a forward of that backlog (as large as the target's prefill of it when
+        # the model drafts for itself). Priced beyond the one token a row a step of drafting has.
+        backlog = self.draft.backlog(r for r, _ in rows)
+        catch_up = max(0.0, self.draft_cost.cost(backlog) - self.draft_cost.cost(len(rows))) if backlog else 0.0
         return choose_uniform_k(self.spec_cost, base_tokens, [(self.acceptance.rate(r), room) for r, room in rows],
-                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s(batch), rows=batch)
+                                self.draft_cost, plain=self.plain_cost, sync_s=self.sync_s(batch) + catch_up,
+                                rows=batch)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """One row's verified run; the metrics take it at the next flush_metrics (once a step:

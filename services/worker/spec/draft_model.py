@@ -175,6 +175,11 @@ class DraftModel:
 
     # ---- proposing -------------------------------------------------------------------------------
     @torch.inference_mode()
+    def backlog(self, request_ids) -> int:
+        """Tokens the draft must catch up on (a forward over them) before these requests draft:
+        every token since each one's last draft (catch-up is lazy: _draft)."""
+        return sum(len(s.tokens) - s.computed for s in map(self.seqs.get, request_ids) if s is not None)
+
     def propose(self, rows: list[tuple[str, int]]) -> dict[str, list[int]]:
         """rows: (request id, k >= 1 drafts wanted) -> its greedy drafts (rows without room: none)."""
         live = self._live(rows)
