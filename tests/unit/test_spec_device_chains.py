@@ -109,14 +109,20 @@ def test_the_feed_kernel_takes_host_chains_as_its_torch_twin_does():
         assert torch.equal(ids[0].view(4, q), torch.cat([tok0[:, None], want.clamp(min=0)], 1))
 
 
-def test_suffix_steps_run_device_fed_with_plain_decodings_tokens_and_logprobs(model):
-    n, new = 4, 16
+def suffix_equals_plain_decoding(model, n: int, new: int):
+    """n repetitive requests (greedy and seeded), overlapped with suffix speculation: tokens and
+    logprobs are plain decoding's -> (the scheduler, the most steps in flight)."""
     ps, sps = repetitive(n), greedy_and_seeded(n)
     want, want_lp, _, _ = run(model, ps, sps, overlap=False, new_tokens=new)
     got, got_lp, s, depth = run(model, ps, sps, overlap=True, new_tokens=new, spec=SUFFIX)
     assert got == want
     for rid in want_lp:
         assert got_lp[rid] == pytest.approx(want_lp[rid], abs=1e-5)
+    return s, depth
+
+
+def test_suffix_steps_run_device_fed_with_plain_decodings_tokens_and_logprobs(model):
+    s, depth = suffix_equals_plain_decoding(model, 4, 16)
     assert s.runner.spec.fed_steps > 0 and depth == 2
 
 
@@ -235,11 +241,5 @@ def test_chains_switching_to_the_host_path_and_back_give_plain_decodings_tokens(
         answers.append(rng.random() < 0.4)
         return answers[-1]
     monkeypatch.setattr(device_steps, "host_path_pays", pays)
-    n, new = 4, 20
-    ps, sps = repetitive(n), greedy_and_seeded(n)
-    want, want_lp, _, _ = run(model, ps, sps, overlap=False, new_tokens=new)
-    got, got_lp, s, _ = run(model, ps, sps, overlap=True, new_tokens=new, spec=SUFFIX)
-    assert got == want
-    for rid in want_lp:
-        assert got_lp[rid] == pytest.approx(want_lp[rid], abs=1e-5)
+    s, _ = suffix_equals_plain_decoding(model, 4, 20)
     assert True in answers and False in answers and s.runner.spec.fed_steps > 0

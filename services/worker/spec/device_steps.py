@@ -148,9 +148,19 @@ def host_path_pays(spec, rows: list[tuple[str, int, int]], n: int, width: int) -
         if clock - spec.host_probe_at >= HOST_PROBE_EVERY:
             spec.host_probe_at = clock
         return spec.host_probe_at == clock
+    return host > (n + _drafts_worth(_row_rates(spec, rows), width)) / fed_t
+
+
+def _row_rates(spec, rows: list[tuple[str, int, int]]) -> list[tuple[float, float, int]]:
+    """(hit rate, acceptance, room) per row, from what was measured so far."""
     acc = spec.acceptance
-    gain = sum(acc.hit(rid) * expected_run(acc.rate(rid), min(width - 1, room)) for rid, room, _ in rows)
-    return host > (n + gain) / fed_t
+    return [(acc.hit(rid), acc.rate(rid), room) for rid, room, _ in rows]
+
+
+def _drafts_worth(vals: list[tuple[float, float, int]], width: int) -> float:
+    """Tokens a step of this width is expected to emit beyond one a row: the j-th draft of a row
+    with acceptance a and hit rate h is worth h * a^j."""
+    return sum(h * expected_run(a, min(width - 1, room)) for h, a, room in vals)
 
 
 def widths(runner, n: int) -> list[int]:
@@ -172,8 +182,7 @@ def _choose_width(spec, rows: list[tuple[str, int, int]], n: int, widths: list[i
         return next((w for w in widths if w >= fixed + 1), widths[-1]) if fixed else 1
     if spec.spec_cost is None:        # not calibrated: draft fully
         return widths[-1]
-    acc = spec.acceptance
-    vals = [(acc.hit(rid), acc.rate(rid), room) for rid, room, _ in rows]
+    vals = _row_rates(spec, rows)
     # Step times: measured periods where there are some (the loop's host side included), else the
     # calibrated GPU time plus the host time plain steps are measured to add.
     gpu_plain = (spec.plain_cost or spec.spec_cost).cost(n)
@@ -185,8 +194,7 @@ def _choose_width(spec, rows: list[tuple[str, int, int]], n: int, widths: list[i
     for w in widths:
         if w == 1:
             continue
-        gain = sum(h * expected_run(a, min(w - 1, room)) for h, a, room in vals)
-        rate = (n + gain) / (spec.period(n, w) or spec.spec_cost.cost(n * w, n) + extra + draft_step * 2 * (w - 1))
+        rate = (n + _drafts_worth(vals, w)) / (spec.period(n, w) or spec.spec_cost.cost(n * w, n) + extra + draft_step * 2 * (w - 1))
         if rate > best:
             best_w, best = w, rate
     return best_w
