@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
                         llama31_8b_config, mixed_parts, offline)
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
+from services.worker import attention as ref_attention  # noqa: E402
 from services.worker.kernels import pdl  # noqa: E402
 from services.worker.models import llama_triton  # noqa: E402
 from services.worker.models.fp8 import FP8, Fp8Weight, quantize_layers, quantize_weight  # noqa: E402
@@ -87,7 +88,9 @@ def main() -> int:
     p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
     p.add_argument("--modes", default="fused,separate",
                    help="FP8-weight forwards to time: fused (the served one), separate, nopdl (fused, its "
-                        "kernels launched without programmatic dependent launch: kernels/pdl.py)")
+                        "kernels launched without programmatic dependent launch: kernels/pdl.py), vrows (fused, "
+                        "an fp8 cache's V stored [BS, kvh, d] as before attention.V_TRANSPOSE_FP8)")
+    p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     a = p.parse_args()
     out = Path(a.out)
@@ -115,7 +118,7 @@ def main() -> int:
             res["quantize_s"] = time.perf_counter() - t0
         wbytes = weight_bytes(model)
         res.setdefault("weight_bytes", {})[weights] = wbytes
-        for kv_name in ("bf16", "fp8"):
+        for kv_name in a.kv.split(","):
             modes = tuple(a.modes.split(",")) if weights == "fp8" else ("-",)
             wanted = [m for m in modes if (weights, kv_name, m if weights == "fp8" else "fused") in offline_runs]
             if a.skip_decode and not wanted:
@@ -125,6 +128,7 @@ def main() -> int:
                 # A runner per mode: its hello captures the decode graphs of that forward.
                 llama_triton.FUSED_FP8 = mode != "separate"
                 pdl.ENABLED = mode != "nopdl"
+                ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
                 if not a.skip_decode:
                     for b in (int(x) for x in a.decode_batches.split(",")):
@@ -156,7 +160,7 @@ def main() -> int:
                         res["offline"].append(r)
                         print("offline", r, flush=True)
                         save()
-                llama_triton.FUSED_FP8 = pdl.ENABLED = True
+                llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = True
                 del runner
                 torch.cuda.empty_cache()
         del model

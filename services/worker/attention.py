@@ -12,7 +12,9 @@ Metadata is built once per step and shared by every layer.
 
 An fp8 cache (torch.float8_e4m3fn, `--kv-cache-dtype fp8`) stores `x / scale` saturated to +-448
 (`quantize_kv`, the same values as the Triton kernels' `quantize_fp8_e4m3`); reads widen it to
-q's dtype and multiply by the scale before the math.
+q's dtype and multiply by the scale before the math. With a power-of-two block size up to 64 it
+also stores V transposed within each block, [kvh, d, block_size] (`v_transposed`, `v_blocks`; why:
+kernels/attention.py). K, and V of every other cache, are [block_size, kvh, d] per block.
 """
 from __future__ import annotations
 
@@ -32,6 +34,27 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torc
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+V_TRANSPOSE_FP8 = True   # bench/gpu_fp8_vt_probe.py turns it off to time the layout of before in one run
+
+
+def v_transposed(kv_cache: torch.Tensor) -> bool:
+    """Whether this cache stores V per block as [kvh, d, block_size]: fp8 caches whose block size
+    is a power of two up to 64 (the Triton kernel loads a block's keys as one vector)."""
+    bs = kv_cache.shape[2]
+    return V_TRANSPOSE_FP8 and kv_cache.dtype == torch.float8_e4m3fn and bs & (bs - 1) == 0 and bs <= 64
+
+
+def v_blocks(kv_cache: torch.Tensor, transposed: bool | None = None) -> torch.Tensor:
+    """V of one layer's cache as [num_blocks, block_size, kvh, d], whatever its storage order (a
+    permuted view where V is stored transposed; writes through it reach the cache). `transposed`
+    overrides v_transposed, for a uint8 view of an fp8 cache."""
+    v = kv_cache[1]
+    if not (v_transposed(kv_cache) if transposed is None else transposed):
+        return v
+    nb, bs, kvh, d = v.shape
+    return v.view(nb, kvh, d, bs).permute(0, 3, 1, 2)
 
 
 def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -133,8 +156,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raw = kv_cache.view(torch.uint8)
         raw[0].view(nb * bs, kvh, d).index_copy_(
             0, slot_mapping, quantize_kv(k, kv_cache.dtype, k_scale).view(torch.uint8))
-        raw[1].view(nb * bs, kvh, d).index_copy_(
-            0, slot_mapping, quantize_kv(v, kv_cache.dtype, v_scale).view(torch.uint8))
+        vq = quantize_kv(v, kv_cache.dtype, v_scale).view(torch.uint8)
+        if v_transposed(kv_cache):
+            v_blocks(raw, True)[slot_mapping // bs, slot_mapping % bs] = vq
+        else:
+            raw[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, vq)
         return
     kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
@@ -152,7 +178,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     # whole cache on CPU (milliseconds per layer), index_select only to what it copies.
     flat = block_tables.view(-1)
     k = kv_cache[0].index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
-    v = kv_cache[1].index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
+    v = v_blocks(kv_cache).index_select(0, flat).view(b, -1, kvh, d)[:, :max_ctx].transpose(1, 2)
     k, v = dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale)
     # GQA without repeating K/V: query head h uses kv head h // g (HF repeat_kv order), so
     # the g query heads of one kv head act as g "query positions" of that head.
@@ -168,7 +194,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
     kvh = kv_cache.shape[3]
     ctx = seq.context_len
     k = kv_cache[0].index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-    v = kv_cache[1].index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    v = v_blocks(kv_cache).index_select(0, seq.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
     k, v = dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale)
     # k, v: [1, kvh, ctx, d]
     qh = q.transpose(0, 1)[None]                                                  # [1, nh, q_len, d]

@@ -68,6 +68,13 @@ def fp8_roundtrip(x, scale):
     return ref.quantize_kv(x, FP8, scale).float() * scale
 
 
+def stored_bytes(cache: torch.Tensor, i: int) -> torch.Tensor:
+    """K (i = 0) or V (1) of an fp8 cache as [slots, kvh, d] bytes, whatever V's storage order."""
+    raw = cache.view(torch.uint8)
+    plane = raw[0] if i == 0 else ref.v_blocks(raw, ref.v_transposed(cache))
+    return plane.reshape(-1, *cache.shape[3:])
+
+
 # Llama-3-8B shape; scales 1.0 (what --kv-cache-dtype fp8 uses) and non-trivial ones
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.5, 2.0)])
 @pytest.mark.parametrize("mixed", [True, False])
@@ -85,14 +92,13 @@ def test_paged_attention_full_shapes_fp8_cache(mixed, k_scale, v_scale):
     k = (torch.randn(t, kvh, d, device=DEV, generator=g) * 3).to(torch.bfloat16)
     v = torch.randn(t, kvh, d, device=DEV, generator=g, dtype=torch.bfloat16)
     meta = ref.build_attn_metadata(seqs, bs, DEV)
-    deq = torch.stack([cache[0].float() * k_scale, cache[1].float() * v_scale])
+    deq = torch.stack([cache[0].float() * k_scale, ref.v_blocks(cache).float() * v_scale])
     want = ref.paged_attention(q.float(), fp8_roundtrip(k.float(), k_scale), fp8_roundtrip(v.float(), v_scale),
                                deq, meta, d ** -0.5)
     write_kv(cache, k, v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     slots = meta.slot_mapping
     for i, (x, sc) in enumerate(((k, k_scale), (v, v_scale))):
-        stored = cache[i].view(torch.uint8).view(-1, kvh, d)[slots]
-        assert torch.equal(stored, ref.quantize_kv(x, FP8, sc).view(torch.uint8))
+        assert torch.equal(stored_bytes(cache, i)[slots], ref.quantize_kv(x, FP8, sc).view(torch.uint8))
     splits = 1 if mixed else decode_splits(len(specs), kvh)
     out = torch.full_like(q, float("nan"))
     paged_attention(q, cache, tables, qsl, lens, max(s for _, s in specs), d ** -0.5, out=out,
@@ -113,8 +119,7 @@ def test_write_kv_fp8_saturates_and_matches_torch_bit_for_bit():
     slots = torch.randperm(nb * bs, device=DEV, generator=g)[:t]
     write_kv(cache, kv[0], kv[1], slots)
     for i in range(2):
-        stored = cache[i].view(torch.uint8).view(-1, kvh, d)[slots]
-        assert torch.equal(stored, ref.quantize_kv(kv[i], FP8).view(torch.uint8))
+        assert torch.equal(stored_bytes(cache, i)[slots], ref.quantize_kv(kv[i], FP8).view(torch.uint8))
     assert not cache.float().isnan().any()
 
 
@@ -214,7 +219,9 @@ def test_qkv_prep_fp8_cache_full_shape():
     assert rel_err(oq, want_q) < BF16_TOL and rel_err(ok, want_k) < BF16_TOL
     keep = slots >= 0
     # compared as fp32 (exact for e4m3fn): indexing float8 tensors is not supported everywhere
-    flat, flat_before = cache.float().view(2, -1, 8, 128), before.float().view(2, -1, 8, 128)
+    # (V of an fp8 cache is stored transposed per block: attention.v_blocks gives it in slot order)
+    flat, flat_before = (torch.stack([c[0].float(), ref.v_blocks(c).float()]).view(2, -1, 8, 128)
+                         for c in (cache, before))
     want_k8 = (ok[keep].float() / k_scale).clamp(-448, 448).to(fp8)
     want_v8 = (v[keep] / v_scale).clamp(-448, 448).to(fp8)
     got_k, got_v = flat[0, slots[keep]], flat[1, slots[keep]]

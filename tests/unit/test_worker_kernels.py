@@ -255,6 +255,35 @@ def test_write_kv_into_fp8_cache_equals_reference_quantization_bit_for_bit(dtype
         assert want[0].view(-1, kvh, d)[slots[0], 0, :4].float().tolist() == [448.0, 448.0, 448.0, -448.0]
 
 
+@pytest.mark.parametrize("bs", [8, 12])
+def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs):
+    """An fp8 cache whose block size is a power of two stores V per block as [kvh, d, BS] (keys
+    contiguous, kernels/attention.py); another block size keeps [BS, kvh, d]. The Triton store and
+    the torch reference put the same bytes there, and attention over either layout, with stale
+    finite bytes in the blocks' unused tails, equals the reference."""
+    rng = random.Random(bs)
+    gen = torch.Generator().manual_seed(bs)
+    nh, kvh, d, nb = 4, 2, 16, 20
+    specs = [(2 * bs + 3, 1), (5, 1), (0, bs + 5), (bs, 3)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    t = sum(s for _, s in specs)
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (nh, kvh, kvh))
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"))
+    stale = (torch.randn(2, nb, bs, kvh, d, generator=gen) * 100).to(FP8)   # finite, up to +-448
+    cache, want_cache = stale.clone(), stale.clone()
+    want = ref.paged_attention(q, k, v, want_cache, meta, 0.25)
+    ka.write_kv(cache, k, v, meta.slot_mapping)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    slots = meta.slot_mapping
+    blk, off = slots // bs, slots % bs
+    raw_v = cache[1].view(torch.uint8)
+    assert ref.v_transposed(cache) == (bs == 8)
+    got = raw_v.view(nb, kvh, d, bs)[blk, :, :, off] if bs == 8 else raw_v[blk, off]
+    assert torch.equal(got, ref.quantize_kv(v, FP8).view(torch.uint8))
+    out = ka.paged_attention(q, cache, tables, qsl, lens, max(s for _, s in specs), 0.25)
+    assert rel_err(out, want) < 2e-5
+
+
 @pytest.mark.parametrize("nh,kvh", [(6, 2), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paged_attention_over_fp8_cache_matches_reference_on_ragged_batch(nh, kvh, dtype):

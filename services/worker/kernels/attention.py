@@ -18,6 +18,17 @@ Hopper's e4m3). Stores write `x / scale` saturated to +-448 (`quantize_fp8_e4m3`
 fp8 K/V, widens them for tl.dot (exact: every e4m3 value is an fp16 value) to fp16 for a bf16/fp16
 q (fp32 for an fp32 q), and applies the per-tensor scales for free: k_scale inside the softmax
 scale, v_scale on the output.
+
+An fp8 cache stores V transposed within each block (services/worker/attention.v_transposed): a
+block's V bytes are [kvh, d, BS], a head's 16 keys contiguous per dim, so the p.V dot's B operand
+is key-contiguous as the tensor cores want it. With V as [BS, kvh, d] the 16-bit caches use
+ldmatrix.trans, but 8-bit values have no such load and Triton gathered V byte by byte from shared
+memory (SASS per warp and 64-key tile: 128 LDS.U8 plus ~300 byte packs, 1,200 instructions against
+729 transposed; ncu on an H100 at batch 256: 150M instructions vs 89M, DRAM 83% vs 87% of peak,
+bench/gpu_fp8_vt_probe.py). V is loaded as [d, blocks, BS] (each block's 16 keys one 16-byte
+vector; a gathered block id in a flat key offset makes Triton fall back to byte loads) and masked
+per block: a partly filled block's tail is read too, which p = 0 cancels as long as those bytes
+are finite, so an fp8 cache must start zero-filled (the runner's is; every store saturates).
 """
 from __future__ import annotations
 
@@ -25,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.attention import v_transposed
 from services.worker.kernels.pdl import launch_args, wait_prior
 
 _LOG2E = 1.4426950408889634
@@ -74,6 +86,9 @@ def _paged_attn_kernel(
     FP16_DOTS: tl.constexpr,              # fp8 cache, 16-bit q: both dots in fp16 (see paged_attention)
     HAS_SEQ_IDS: tl.constexpr,            # grid axis 0 walks seq_ids (a subset of the batch's sequences)
     USE_PDL: tl.constexpr = False,        # kernels/pdl.py
+    V_T: tl.constexpr = False,            # V stored per block as [kvh, d, BLOCK_SIZE] (fp8 caches)
+    DECODE: tl.constexpr = False,         # every sequence of the launch has one query token
+    HAS_WINDOW: tl.constexpr = False,     # window > 0 (a branch on it inside the key loop costs)
 ):
     wait_prior(USE_PDL)
     if HAS_SEQ_IDS:
@@ -121,6 +136,10 @@ def _paged_attn_kernel(
         lo = lo + split * chunk
         hi = tl.minimum(lo + chunk, hi)
     cols = tl.arange(0, BLOCK_N)
+    NBLK: tl.constexpr = BLOCK_N // BLOCK_SIZE if V_T else 1
+    VT_BS: tl.constexpr = BLOCK_SIZE if V_T else 1      # (any block size is fine without V_T)
+    jb = tl.arange(0, NBLK)
+    ii = tl.arange(0, VT_BS)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + cols                                            # [BLOCK_N]
         k_ok = k_pos < hi
@@ -130,10 +149,25 @@ def _paged_attn_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         # An fp8 cache is widened to q's dtype here (a no-op for a cache of q's dtype).
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)     # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        if V_T:
+            # [D, blocks, BS] -> [D, BLOCK_N]: whole blocks (start is BLOCK_N-aligned), masked per
+            # block; keys past hi in the last block are finite bytes whose p is 0.
+            bpos = start + jb * BLOCK_SIZE
+            b_ok = bpos < hi
+            vblk = tl.load(block_tables_ptr + seq * stride_bt + bpos // BLOCK_SIZE, mask=b_ok, other=0)
+            v_off = ((vblk.to(tl.int64) * stride_cb + kvh * (HEAD_DIM * BLOCK_SIZE))[None, :, None]
+                     + dims[:, None, None] * BLOCK_SIZE + ii[None, None, :])
+            vt = tl.load(v_cache_ptr + v_off, mask=d_ok[:, None, None] & b_ok[None, :, None], other=0.0)
+            vt = tl.reshape(vt, [BLOCK_D, BLOCK_N]).to(q.dtype)                   # [D, BLOCK_N]
+        else:
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale_log2       # [BLOCK_M, BLOCK_N]
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        if window > 0:
+        if DECODE:
+            # one query at ctx - 1: every key below hi (<= ctx) is causal
+            allowed = tl.broadcast_to(k_ok[None, :], [BLOCK_M, BLOCK_N])
+        else:
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
             allowed &= k_pos[None, :] > q_pos[:, None] - window
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -142,7 +176,10 @@ def _paged_attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        if V_T:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), tl.trans(vt)).to(tl.float32)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v).to(tl.float32)
         m_i = m_new
     if NUM_SPLITS > 1:
         # Unnormalised partials [T, NUM_SPLITS, nh, d] and (m, l) [T, NUM_SPLITS, nh, 2] (fp32).
@@ -229,6 +266,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     # walks a long key range (<= 2 splits), 6 stages (half the bytes per tile: more tiles in flight
     # keep HBM busy; short split loops only pay the deeper prologue); prefill 64x64 tiles, 2 stages.
     block_n = block_n or (64 if decode or fp8 else 32)
+    v_t = v_t_block_size(kv_cache) > 0
+    if v_t:
+        block_n = max(block_n, bs)      # a tile takes whole blocks of the transposed V
     if num_warps is None:
         num_warps = 2 if fp8 and decode else 4
     if num_stages is None:
@@ -255,7 +295,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_HEADS=nh, NUM_SPLITS=num_splits, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
-        num_warps=num_warps, num_stages=num_stages, **launch_args(q),
+        V_T=v_t, DECODE=decode, HAS_WINDOW=bool(sliding_window), num_warps=num_warps, num_stages=num_stages, **launch_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(t, nh)](part_o, part_ml, out, out.stride(0), out.stride(1),
@@ -263,6 +303,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                                         BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
                                         **launch_args(part_o))
     return out
+
+
+def v_t_block_size(kv_cache: torch.Tensor) -> int:
+    """The block size where V is stored transposed per block (v_transposed), else 0; the offsets
+    of a transposed V assume a contiguous cache."""
+    if not v_transposed(kv_cache):
+        return 0
+    if not kv_cache.is_contiguous():
+        raise ValueError("an fp8 cache with V transposed per block must be contiguous")
+    return kv_cache.shape[2]
 
 
 def _check_cache_dtype(kv_cache: torch.Tensor) -> None:
@@ -275,7 +325,9 @@ def _check_cache_dtype(kv_cache: torch.Tensor) -> None:
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                      stride_kt, stride_vt, stride_cslot, k_scale, v_scale,
                      KVD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KVD: tl.constexpr,
-                     FP8: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     FP8: tl.constexpr, USE_PDL: tl.constexpr = False, V_T_BS: tl.constexpr = 0):
+    # V_T_BS > 0: V stored per block as [kvh, d, V_T_BS]; column c = head * d + dim of a token in
+    # slot s then lives at (s // BS) * BS * KVD + c * BS + s % BS.
     wait_prior(USE_PDL)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_KVD)
@@ -284,18 +336,23 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
     k = tl.load(k_ptr + toks[:, None] * stride_kt + cols[None, :], mask=ok)
     v = tl.load(v_ptr + toks[:, None] * stride_vt + cols[None, :], mask=ok)
     dst = slot[:, None] * stride_cslot + cols[None, :]
+    if V_T_BS:
+        v_dst = ((slot // V_T_BS) * (V_T_BS * stride_cslot) + slot % V_T_BS)[:, None] + cols[None, :] * V_T_BS
+    else:
+        v_dst = dst
     if FP8:
         k = quantize_fp8_e4m3(k, k_scale)
         v = quantize_fp8_e4m3(v, v_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              block_t: int = 4, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """k, v: [T, kvh, d] (views of the fused qkv are fine: only the row stride may differ);
     slot_mapping: [T] int (negative: skip). Scatters into kv_cache [2, NB, BS, kvh, d]; an fp8
-    cache stores k / k_scale and v / v_scale (quantize_fp8_e4m3); the scales matter only there."""
+    cache stores k / k_scale and v / v_scale (quantize_fp8_e4m3); the scales matter only there,
+    and V transposed per block where v_transposed says so."""
     t, kvh, d = k.shape
     if t == 0:
         return
@@ -307,4 +364,5 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     _write_kv_kernel[grid](k, v, kc, vc, slot_mapping, t, k.stride(0), v.stride(0), kc.stride(1),
                            float(k_scale), float(v_scale),
                            KVD=kvd, BLOCK_T=block_t, BLOCK_KVD=triton.next_power_of_2(kvd),
-                           FP8=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4, **launch_args(k))
+                           FP8=kv_cache.dtype == torch.float8_e4m3fn,
+                           V_T_BS=v_t_block_size(kv_cache), num_warps=4, **launch_args(k))

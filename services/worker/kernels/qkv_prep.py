@@ -17,7 +17,7 @@ import triton.language as tl
 
 from services.worker.kernels.pdl import launch_args, wait_prior
 
-from services.worker.kernels.attention import quantize_fp8_e4m3
+from services.worker.kernels.attention import v_t_block_size, quantize_fp8_e4m3
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
                      IS_FP8: tl.constexpr, IN_SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False, V_T: tl.constexpr = False):
     wait_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -96,12 +96,17 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
         c2 = quantize_fp8_e4m3(c2, scale)
     plane = is_v.to(tl.int64)
     kv_head = tl.where(is_v, heads - NUM_HEADS - NUM_KV_HEADS, heads - NUM_HEADS).to(tl.int64)
-    dst = (cache_ptr + plane[:, None] * stride_plane + (slot // BLOCK_SIZE) * stride_blk
-           + (slot % BLOCK_SIZE) * stride_slot + kv_head[:, None] * stride_ch + dims[None, :])
+    row = (slot % BLOCK_SIZE) * stride_slot + kv_head * stride_ch                      # [BLOCK_H]
+    step = tl.full([BLOCK_H], 1, tl.int64)
+    if V_T:   # V per block as [kvh, d, BLOCK_SIZE] (kernels/attention.py): dim stride BLOCK_SIZE
+        row = tl.where(is_v, kv_head * (HEAD_DIM * BLOCK_SIZE) + slot % BLOCK_SIZE, row)
+        step = tl.where(is_v, BLOCK_SIZE, step)
+    dst = (cache_ptr + (plane * stride_plane + (slot // BLOCK_SIZE) * stride_blk + row)[:, None]
+           + dims[None, :] * step[:, None])
     store_kv = (is_k | is_v) & (heads * 0 + slot >= 0)   # slot -1: a padding row
     kv_ok = store_kv[:, None] & d_ok[None, :]
     tl.store(dst, c1.to(cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(dst + HALF, c2.to(cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(dst + HALF * step[:, None], c2.to(cache_ptr.dtype.element_ty), mask=kv_ok)
 
 
 def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -113,7 +118,8 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     """In place on qkv [T, >= (nh + 2 kvh) * d] (row stride free, head dim contiguous):
     optional per-head RMSNorm of q and k (weights [d], both or neither), then RoPE on q and k
     (positions [T] int; cos, sin fp32 [max_len, d], HF layout); then stores this step's k (rotated)
-    and v into kv_cache [2, NB, BS, kvh, d] at slot_mapping [T] (negative: padding, not stored).
+    and v into kv_cache [2, NB, BS, kvh, d] at slot_mapping [T] (negative: padding, not stored;
+    V transposed per block where attention.v_transposed says so).
     An fp8 (e4m3fn) cache stores x / scale saturated to ±448 (kernels.attention.quantize_fp8_e4m3,
     the same rule as write_kv); other caches store x cast to their dtype.
     k_scale / v_scale are Python floats (fixed per model: a CUDA graph captures them as constants).
@@ -155,5 +161,6 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
                            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                            HALF=half, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
                            IS_FP8=is_fp8, IN_SCALED=in_scales is not None, BLOCK_H=block_h,
+                           V_T=v_t_block_size(kv_cache) > 0,
                            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **launch_args(qkv))
     return qkv
