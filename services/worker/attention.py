@@ -39,11 +39,17 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torc
 V_TRANSPOSE_FP8 = True   # bench/gpu_fp8_vt_probe.py turns it off to time the layout of before in one run
 
 
+def v_transposed_for(dtype: torch.dtype, block_size: int) -> bool:
+    """Whether a cache of this dtype and block size stores V per block as [kvh, d, block_size]:
+    fp8 caches whose block size is a power of two up to 64 (the Triton kernel loads a block's keys
+    as one vector)."""
+    bs = block_size
+    return V_TRANSPOSE_FP8 and dtype == torch.float8_e4m3fn and bs & (bs - 1) == 0 and bs <= 64
+
+
 def v_transposed(kv_cache: torch.Tensor) -> bool:
-    """Whether this cache stores V per block as [kvh, d, block_size]: fp8 caches whose block size
-    is a power of two up to 64 (the Triton kernel loads a block's keys as one vector)."""
-    bs = kv_cache.shape[2]
-    return V_TRANSPOSE_FP8 and kv_cache.dtype == torch.float8_e4m3fn and bs & (bs - 1) == 0 and bs <= 64
+    """v_transposed_for this layer cache ([2, NB, BS, kvh, d])."""
+    return v_transposed_for(kv_cache.dtype, kv_cache.shape[2])
 
 
 def v_blocks(kv_cache: torch.Tensor, transposed: bool | None = None) -> torch.Tensor:

@@ -15,7 +15,9 @@
 
 A block's bytes are "L2BHD": for each layer, K then V, [block_size, kv_heads, head_dim] each, in
 the cache's storage dtype; one layer's cache is [2, num_blocks, block_size, kv_heads, head_dim]
-(models/llama.py). Copies work on uint8 views, so an fp8 cache moves like any other."""
+(models/llama.py). Copies work on uint8 views, so an fp8 cache moves like any other. An fp8 cache
+that stores V transposed per block ([kv_heads, head_dim, block_size], attention.v_transposed) is
+"L2BHD-VT" (`layout`): the kvstore namespace carries it, so only engines of one layout share."""
 from __future__ import annotations
 
 import collections
@@ -31,6 +33,12 @@ from services.worker.plan import LoadResult, PlanError, SaveResult, TierBlocks
 log = logging.getLogger("meshllm.worker.kv_tiers")
 
 LAYOUT = "L2BHD"
+
+
+def layout(kv_dtype: torch.dtype, block_size: int) -> str:
+    """The byte layout of a block of this cache dtype and block size (module doc)."""
+    from services.worker.attention import v_transposed_for
+    return LAYOUT + "-VT" if v_transposed_for(kv_dtype, block_size) else LAYOUT
 _LOAD_CHUNK_BYTES = 64 << 20   # staging of one fetch: the kvstore's default window
 
 

@@ -86,7 +86,7 @@ def tier_config(cfg: WorkerConfig, runner: ModelRunner):
     --kv-offload-gb, kvstore fetches and saves with --kvstore-addr, direct hand-offs with --kv-export.
     Tensor parallel: every rank keeps its own shard in each, the kvstore's under its own namespace
     (it binds tp_size and tp_rank), and the ranks agree on what ended (tier_agreement.py)."""
-    from services.worker.kv_tiers import LAYOUT, TierConfig
+    from services.worker.kv_tiers import TierConfig, layout
     client = make_ns = None
     if cfg.kvstore_addr:
         from services.common.kv_namespace import engine_namespace, weights_fingerprint
@@ -104,7 +104,8 @@ def tier_config(cfg: WorkerConfig, runner: ModelRunner):
                 return engine_namespace(cfg.model, cfg.served_model_name, dtype=dtype, kv_cache_dtype=kv_dtype,
                                         block_size=block_size, num_layers=runner.model.cfg.num_layers,
                                         tp_size=cfg.tensor_parallel_size, tp_rank=cfg.tp_rank,
-                                        block_bytes=block_bytes, layout=LAYOUT, fingerprint=fingerprint)
+                                        block_bytes=block_bytes, layout=layout(runner.kv_dtype, block_size),
+                                        fingerprint=fingerprint)
     direct = cfg.kv_export
     if client is None and cfg.kv_offload_gb <= 0 and not direct:
         return None

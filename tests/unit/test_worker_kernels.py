@@ -284,6 +284,12 @@ def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs):
     assert rel_err(out, want) < 2e-5
 
 
+def test_the_kv_tier_layout_names_the_transposed_v_so_only_like_engines_share_blocks():
+    from services.worker.kv_tiers import layout
+    assert layout(FP8, 16) == "L2BHD-VT"
+    assert layout(FP8, 12) == layout(torch.bfloat16, 16) == layout(torch.float32, 64) == "L2BHD"
+
+
 @pytest.mark.parametrize("nh,kvh", [(6, 2), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paged_attention_over_fp8_cache_matches_reference_on_ragged_batch(nh, kvh, dtype):
