@@ -122,7 +122,9 @@ def test_gpu_executor_path_reads_pending_ids_on_the_device(model, monkeypatch):
     from services.worker.gpu_exec import GpuExecutor
     ps = prompts(3)
     sps = [sampling_mix(i) for i in (0, 1, 3)]
-    want, _, _, _ = run(model, ps, sps, overlap=False)
-    got, _, _, depth = run(model, ps, sps, overlap=True, executor=lambda r: GpuExecutor(
+    # 5 new tokens: four decode steps, each reading the previous step's ids still on the device,
+    # are enough here; every interpreted step costs about a second on the CI's CPU.
+    want, _, _, _ = run(model, ps, sps, overlap=False, new_tokens=5)
+    got, _, _, depth = run(model, ps, sps, overlap=True, new_tokens=5, executor=lambda r: GpuExecutor(
         model, r.kv_caches, BLOCK, max_num_tokens=64, max_num_seqs=8, graph_sizes=None))
     assert got == want and depth == 2
