@@ -247,6 +247,33 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
     return {"prompt_len": prompt_len, "ttft_ms_median": statistics.median(times[1:]), "all_ms": times}
 
 
+class CompileLog:
+    """Triton's JIT compiles while active (knobs.runtime.jit_post_compile_hook, where this Triton
+    has it): [(seconds since entering, kernel name)]. A compile mid-run is a step that stalls."""
+
+    def __enter__(self):
+        import triton
+        self.events: list[tuple[float, str]] = []
+        self.runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        self.t0 = time.perf_counter()
+        if self.runtime is not None and hasattr(self.runtime, "jit_post_compile_hook"):
+            self.prev = self.runtime.jit_post_compile_hook
+
+            def hook(*args, **kwargs):
+                fn = kwargs.get("fn")
+                self.events.append((round(time.perf_counter() - self.t0, 3), str(getattr(fn, "name", fn))))
+                return False
+            self.runtime.jit_post_compile_hook = hook
+        else:
+            self.runtime = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.runtime is not None:
+            self.runtime.jit_post_compile_hook = self.prev
+        return False
+
+
 def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,
             token_budget: int, gen, time_cap_s: float, pipelined: bool = True, vocab: int = 128000) -> dict:
     """Continuous batching of fixed-length requests (EOS ignored): decodes first, then whole
@@ -275,6 +302,8 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
         else:
             gc_pauses.append((info["generation"], time.perf_counter() - gc_start[0]))
     gc.callbacks.append(on_gc)
+    compiles = CompileLog().__enter__()
+    slowest: list[tuple[float, int, int, int]] = []   # (seconds, step, prompts, decodes) of the slowest results
     t0 = last_done = time.perf_counter()
     while waiting or running or inflight:
         if (waiting or running) and len(inflight) < depth and time.perf_counter() - t0 < time_cap_s:
@@ -298,19 +327,22 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             for rid in [r for r, st in running.items() if st[0] >= out_len]:
                 free += running.pop(rid)[1]   # reused only by later steps: stream order keeps it safe
                 finished.append(rid)
-            inflight.append((wired.submit(plan), len(plan.new_requests) > 0))
+            inflight.append((wired.submit(plan), len(plan.new_requests) > 0, steps, len(plan.new_requests),
+                             len(plan.cached_requests)))
             steps += 1
             if len(inflight) < depth:
                 continue
         if not inflight:
             break
-        pending, has_prefill = inflight.pop(0)
+        pending, has_prefill, step_no, n_new, n_cached = inflight.pop(0)
         res = checked(wired.collect(pending))
         out_tokens += sum(len(o.token_ids) for o in res.outputs)
         now = time.perf_counter()
         (prefill_gaps if has_prefill else decode_gaps).append(now - last_done)
+        slowest = sorted(slowest + [(now - last_done, step_no, n_new, n_cached)], reverse=True)[:5]
         last_done = now
     wall = time.perf_counter() - t0
+    compiles.__exit__(None, None, None)
     gc.callbacks.remove(on_gc)
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
     return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
@@ -326,7 +358,10 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             "gc": {f"gen{g}": {"count": sum(1 for x, _ in gc_pauses if x == g),
                                "total_s": sum(d for x, d in gc_pauses if x == g),
                                "max_ms": max((d for x, d in gc_pauses if x == g), default=0.0) * 1e3} for g in (0, 1, 2)},
-            "gc_frozen_objects": gc.get_freeze_count()}
+            "gc_frozen_objects": gc.get_freeze_count(),
+            # The slowest results (seconds, step, prompts, decodes) and Triton compiles during the run.
+            "slowest_steps": [(round(g, 4), i, p, d) for g, i, p, d in slowest],
+            "triton_compiles": compiles.events if compiles.runtime is not None else "no compile hook"}
 
 
 def _pcts(xs: list[float]) -> dict | None:

@@ -154,6 +154,22 @@ def run_ncu() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def run_ncu_prefill() -> None:
+    """4 prompts of 1,024 tokens over an fp8 cache, V as rows then transposed, once each."""
+    base, rows_c, vt_c, tables, lens, _ = attn_inputs(4, 1024)
+    q = torch.randn(4096, NH, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(5, device="cuda", dtype=torch.int32) * 1024
+    fns = [lambda: served(q, rows_c, tables, qsl, lens, False, 1024), lambda: served(q, vt_c, tables, qsl, lens, True, 1024)]
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def load_before(path: str | None):
     if not path:
         return None
@@ -168,9 +184,13 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/gpu_fp8_vt_probe.json")
     p.add_argument("--before", default=None, help="a copy of kernels/attention.py from before, timed too")
     p.add_argument("--ncu", action="store_true", help="run each kernel once in a profiled range, time nothing")
+    p.add_argument("--ncu-prefill", action="store_true", help="the same for the prefill kernels (rows, transposed V)")
     a = p.parse_args()
     if a.ncu:
         run_ncu()
+        return 0
+    if a.ncu_prefill:
+        run_ncu_prefill()
         return 0
     before = load_before(a.before)
     x = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")

@@ -121,21 +121,21 @@ class GpuExecutor:
     # ---- execution ------------------------------------------------------------------------
     def run(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
             sample_rows: list[int], src: list[int] | None = None,
-            keep_hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            keep_hidden: bool = False, scratch: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One step -> (float32 logits [len(sample_rows), V] of the rows that sample (None: none),
         the final hidden states [T, H] of every row when `keep_hidden` (prompt logprobs read
         them; such a step runs eagerly), else None). Nothing waits for the device. `src` (one per
         token, -1: use ids) points tokens at the previous step's sampled ids in prev_tokens (see
-        the module docstring)."""
+        the module docstring). `scratch` (warm_eager): an eager step that writes no KV (slots -1)."""
         t, n = len(ids), len(seqs)
         if t > self.max_tokens or n > self.max_seqs:
             raise ValueError(f"step of {t} tokens / {n} sequences exceeds the executor's "
                              f"{self.max_tokens} / {self.max_seqs}")
-        if self.verify is not None and t > n and not keep_hidden and sample_rows:
+        if self.verify is not None and t > n and not keep_hidden and sample_rows and not scratch:
             key = self.verify.key(seqs, t, sample_rows)
             if key is not None:
                 return self.verify.run(key, ids, positions, seqs, src), None
-        decode_only = t == n and len(sample_rows) == n and not keep_hidden
+        decode_only = t == n and len(sample_rows) == n and not keep_hidden and not scratch
         bucket = next((b for b in self.graph_sizes if b >= n), None) if decode_only else None
         if bucket is not None:
             self._stage(ids, positions, seqs, pad_to=bucket, src=src)
@@ -152,6 +152,8 @@ class GpuExecutor:
         mixed = SPLIT_MIXED and 0 < n_dec < n
         order = np.concatenate([np.flatnonzero(ones), np.flatnonzero(~ones)]) if mixed else None
         self._stage(ids, positions, seqs, src=src, seq_order=order)
+        if scratch:
+            self._row(2, t).fill_(-1)
         use_src = src is not None
         attn = self._attn(t, n, int(counts.max()))
         if mixed:   # two attention launches: decode tiles for the decodes (see llama_triton.attend)
@@ -207,6 +209,43 @@ class GpuExecutor:
         from services.worker.gpu_verify import VerifyGraphs
         self.verify = VerifyGraphs(self, max_drafts)
         return self.verify.capture_all()
+
+    def warm_shapes(self) -> list[list[tuple[int, int]]]:
+        """The eager steps warm_eager runs, each a list of (computed, scheduled) per sequence:
+        whole prompts and a chunk after a prefix, token counts that are and are not multiples of
+        16 (Triton specialises integer arguments on that), and mixed steps whose decodes fall in
+        every split-KV class of the decode launch (a constexpr: decode_splits of the decode count),
+        plus, without decode graphs, decode-only steps of each class."""
+        kvh = self.model.cfg.num_kv_heads
+        shapes = [[(0, 16)], [(0, 17)], [(8, 9)]]
+        classes: dict[int, int] = {}
+        for n in range(1, self.max_seqs):
+            classes.setdefault(decode_splits(n, kvh, self.num_sms), n)
+        for n in classes.values():
+            if n + 9 <= self.max_tokens:
+                shapes.append([(4, 1)] * n + [(0, 9)])
+            if not self.graph_sizes:
+                shapes.append([(4, 1)] * n)
+        shapes.append([(4, 1)] * 3 + [(0, 13)])          # a mixed step of 16 tokens
+        return [sh for sh in shapes if len(sh) <= self.max_seqs and sum(s for _, s in sh) <= self.max_tokens]
+
+    def warm_eager(self) -> float:
+        """Run every warm_shapes step once, eagerly and writing nothing to the cache, so that
+        Triton compiles those kernel variants now and not at the first such step of serving (on
+        an H100 an 8B offline run's first mixed steps stalled 2.8-3.2 s; bench/gpu_fp8.py).
+        -> seconds taken."""
+        t0 = time.perf_counter()
+        bs = self.block_size
+        for shape in self.warm_shapes():
+            seqs = [SeqSchedule([0] * -(-(c + s) // bs), c, s) for c, s in shape]
+            positions = [p for c, s in shape for p in range(c, c + s)]
+            ends = np.cumsum([s for _, s in shape]) - 1
+            self.run([0] * len(positions), positions, seqs, [int(e) for e in ends], scratch=True)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        took = time.perf_counter() - t0
+        log.info("warmed %d eager step shapes in %.1f s", len(self.warm_shapes()), took)
+        return took
 
     def capture_at_startup(self) -> float:
         """capture_all, timed and logged in one line -> seconds taken. A failed capture (e.g. out

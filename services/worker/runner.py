@@ -209,6 +209,12 @@ class ModelRunner:
             self.graph_capture_s = self.gpu.capture_at_startup()
             if self.spec is not None:
                 self.graph_capture_s += self.gpu.capture_verify(self.spec.cfg.num_speculative_tokens)
+        if self.gpu is not None:
+            # The eager steps' kernel variants too (prompts, mixed steps): compiled now, not mid-serving.
+            try:
+                self.graph_capture_s += self.gpu.warm_eager()
+            except Exception:  # noqa: BLE001 - serving compiles them when first needed instead
+                log.exception("warming the eager step kernels failed")
         if self.tier_config is not None:
             self._build_tiers()
 
