@@ -249,7 +249,8 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
 
 class CompileLog:
     """Triton's JIT compiles while active (knobs.runtime.jit_post_compile_hook, where this Triton
-    has it): [(seconds since entering, kernel name)]. A compile mid-run is a step that stalls."""
+    has it): [(seconds since entering, kernel name, its specialisation)]. A compile mid-run is a
+    step that stalls."""
 
     def __enter__(self):
         import triton
@@ -261,7 +262,8 @@ class CompileLog:
 
             def hook(*args, **kwargs):
                 fn = kwargs.get("fn")
-                self.events.append((round(time.perf_counter() - self.t0, 3), str(getattr(fn, "name", fn))))
+                self.events.append((round(time.perf_counter() - self.t0, 3), str(getattr(fn, "name", fn)),
+                                    str(kwargs.get("repr", ""))[:700]))
                 return False
             self.runtime.jit_post_compile_hook = hook
         else:
