@@ -240,7 +240,10 @@ class GpuExecutor:
             seqs = [SeqSchedule([0] * -(-(c + s) // bs), c, s) for c, s in shape]
             positions = [p for c, s in shape for p in range(c, c + s)]
             ends = np.cumsum([s for _, s in shape]) - 1
-            self.run([0] * len(positions), positions, seqs, [int(e) for e in ends], scratch=True)
+            # Decodes take their ids from the previous step's samples, as with async scheduling.
+            src = [i if s == 1 else -1 for i, (_, s) in enumerate(shape) for _ in range(s)]
+            self.run([0] * len(positions), positions, seqs, [int(e) for e in ends],
+                     src=src if max(src) >= 0 else None, scratch=True)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         took = time.perf_counter() - t0
