@@ -33,6 +33,7 @@ from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, deco
                         llama31_8b_config, mixed_parts, offline)
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from services.worker import attention as ref_attention  # noqa: E402
+from services.worker.kernels import elementwise  # noqa: E402
 from services.worker.kernels import pdl  # noqa: E402
 from services.worker.models import llama_triton  # noqa: E402
 from services.worker.models.fp8 import FP8, Fp8Weight, quantize_layers, quantize_weight  # noqa: E402
@@ -89,7 +90,9 @@ def main() -> int:
     p.add_argument("--modes", default="fused,separate",
                    help="FP8-weight forwards to time: fused (the served one), separate, nopdl (fused, its "
                         "kernels launched without programmatic dependent launch: kernels/pdl.py), vrows (fused, "
-                        "an fp8 cache's V stored [BS, kvh, d] as before attention.V_TRANSPOSE_FP8)")
+                        "an fp8 cache's V stored [BS, kvh, d] as before attention.V_TRANSPOSE_FP8), silu_whole / "
+                        "silu_chunks (fused, SiLU·mul's FP8 output from the row held whole / walked in chunks of "
+                        "2,048: elementwise.SILU_FP8_CONFIG)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     a = p.parse_args()
@@ -109,6 +112,7 @@ def main() -> int:
     kv_elems = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     res["decode"], res["offline"] = [], []
     offline_runs = [tuple(x.split(":")) + (("fused",) if x.count(":") == 1 else ()) for x in a.offline.split(",") if x]
+    silu_default = elementwise.SILU_FP8_CONFIG
     for weights in a.weights.split(","):
         model = build_model(cfg, 4096)
         if weights == "fp8":
@@ -129,6 +133,8 @@ def main() -> int:
                 llama_triton.FUSED_FP8 = mode != "separate"
                 pdl.ENABLED = mode != "nopdl"
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
+                if mode in ("silu_whole", "silu_chunks"):
+                    elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8)
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
                 if not a.skip_decode:
                     for b in (int(x) for x in a.decode_batches.split(",")):
@@ -161,6 +167,7 @@ def main() -> int:
                         print("offline", r, flush=True)
                         save()
                 llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = True
+                elementwise.SILU_FP8_CONFIG = silu_default
                 del runner
                 torch.cuda.empty_cache()
         del model

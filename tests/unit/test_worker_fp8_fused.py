@@ -58,10 +58,11 @@ def test_norm_scales_an_unscaled_product_adds_the_residual_and_quantises():
                                rtol=0, atol=0)
 
 
-def test_silu_mul_scales_its_input_and_quantises_a_whole_row():
-    raw = torch.randn(3, 2 * 2500, generator=G) * 200   # two chunks of 2,048 and a ragged end
+@pytest.mark.parametrize("config", [(2048, 8), (4096, 16)])   # chunks (two and a ragged end); the row whole
+def test_silu_mul_scales_its_input_and_quantises_a_whole_row(config):
+    raw = torch.randn(3, 2 * 2500, generator=G) * 200
     rs, cs = scales(3, 5000)
-    got = ke.silu_mul(raw, in_scales=(rs, cs), fp8_out=True)
+    got = ke.silu_mul(raw, in_scales=(rs, cs), fp8_out=True, fp8_config=config)
     same_fp8(got, quantize_rows(ke.silu_mul(raw * rs * cs)))
     torch.testing.assert_close(ke.silu_mul(raw, in_scales=(rs, cs), block=64), ke.silu_mul(raw * rs * cs, block=64),
                                rtol=0, atol=0)
