@@ -262,8 +262,10 @@ class CompileLog:
 
             def hook(*args, **kwargs):
                 fn = kwargs.get("fn")
+                comp = kwargs.get("compile") or {}
+                spec = comp.get("specialization_data") if isinstance(comp, dict) else None
                 self.events.append((round(time.perf_counter() - self.t0, 3), str(getattr(fn, "name", fn)),
-                                    str(kwargs.get("repr", ""))[:700]))
+                                    str(spec or kwargs.get("key", ""))[:3000]))
                 return False
             self.runtime.jit_post_compile_hook = hook
         else:
