@@ -258,9 +258,11 @@ class CompileLog:
         self.runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
         self.t0 = time.perf_counter()
         if self.runtime is not None and hasattr(self.runtime, "jit_post_compile_hook"):
-            self.prev = self.runtime.jit_post_compile_hook
+            self.prev = prev = self.runtime.jit_post_compile_hook
 
             def hook(*args, **kwargs):
+                if prev is not None:
+                    prev(*args, **kwargs)
                 fn = kwargs.get("fn")
                 comp = kwargs.get("compile") or {}
                 spec = comp.get("specialization_data") if isinstance(comp, dict) else None

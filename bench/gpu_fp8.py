@@ -94,8 +94,15 @@ def main() -> int:
                         "silu_chunks (fused, SiLU·mul's FP8 output from the row held whole / walked in chunks of "
                         "2,048: elementwise.SILU_FP8_CONFIG)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
+    p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
+                                                    "kernel, specialisation) to this JSON file")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     a = p.parse_args()
+    if a.compile_log:
+        import atexit
+        from gpu_decode import CompileLog
+        log_all = CompileLog().__enter__()
+        atexit.register(lambda: Path(a.compile_log).write_text(json.dumps(log_all.events, indent=0)))
     out = Path(a.out)
     res: dict = {"bench": "gpu_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
