@@ -211,32 +211,35 @@ class GpuExecutor:
         return self.verify.capture_all()
 
     def warm_shapes(self) -> list[list[tuple[int, int]]]:
-        """The eager steps warm_eager runs, each a list of (computed, scheduled) per sequence:
-        whole prompts and a chunk after a prefix, token counts that are and are not multiples of
-        16 (Triton specialises integer arguments on that), and mixed steps whose decodes fall in
-        every split-KV class of the decode launch (a constexpr: decode_splits of the decode count),
-        plus, without decode graphs, decode-only steps of each class."""
+        """The eager steps warm_eager runs, each a list of (computed, scheduled) per sequence.
+        Triton compiles a kernel apart for each constexpr and for each integer or pointer argument
+        that is or is not a multiple of 16 (bytes, for pointers), so: whole prompts and a chunk
+        after a prefix with T odd and even (the positions row starts at 8T bytes, the id sources'
+        at 24T); mixed steps in every split-KV class of the decode launch (decode_splits of the
+        decode count is a constexpr), each with T odd and even, and with odd and even decode
+        counts (the prompts' sequence ids start 8 bytes a decode into the staging buffer); without
+        decode graphs, decode-only steps of each class and both parities."""
         kvh = self.model.cfg.num_kv_heads
         shapes = [[(0, 16)], [(0, 17)], [(8, 9)]]
         classes: dict[int, int] = {}
         for n in range(1, self.max_seqs):
             classes.setdefault(decode_splits(n, kvh, self.num_sms), n)
-        for n in classes.values():
-            if n + 9 <= self.max_tokens:
-                shapes.append([(4, 1)] * n + [(0, 9)])
+        counts = sorted(set(classes.values()) | {2})           # 2: an even decode count
+        for n in counts:
+            shapes += [[(4, 1)] * n + [(0, 9)], [(4, 1)] * n + [(0, 10)]]
             if not self.graph_sizes:
-                shapes.append([(4, 1)] * n)
-        shapes.append([(4, 1)] * 3 + [(0, 13)])          # a mixed step of 16 tokens
+                shapes += [[(4, 1)] * n, [(4, 1)] * (n + 1)]
         return [sh for sh in shapes if len(sh) <= self.max_seqs and sum(s for _, s in sh) <= self.max_tokens]
 
-    def warm_eager(self) -> float:
+    def warm_eager(self, shapes: list[list[tuple[int, int]]] | None = None) -> float:
         """Run every warm_shapes step once, eagerly and writing nothing to the cache, so that
         Triton compiles those kernel variants now and not at the first such step of serving (on
         an H100 an 8B offline run's first mixed steps stalled 2.8-3.2 s; bench/gpu_fp8.py).
-        -> seconds taken."""
+        `shapes`: these instead of warm_shapes(). -> seconds taken."""
         t0 = time.perf_counter()
         bs = self.block_size
-        for shape in self.warm_shapes():
+        shapes = self.warm_shapes() if shapes is None else shapes
+        for shape in shapes:
             seqs = [SeqSchedule([0] * -(-(c + s) // bs), c, s) for c, s in shape]
             positions = [p for c, s in shape for p in range(c, c + s)]
             ends = np.cumsum([s for _, s in shape]) - 1
@@ -247,7 +250,7 @@ class GpuExecutor:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         took = time.perf_counter() - t0
-        log.info("warmed %d eager step shapes in %.1f s", len(self.warm_shapes()), took)
+        log.info("warmed %d eager step shapes in %.1f s", len(shapes), took)
         return took
 
     def capture_at_startup(self) -> float:

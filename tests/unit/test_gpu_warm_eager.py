@@ -40,18 +40,29 @@ def test_warm_up_covers_every_compiled_shape_class_and_writes_no_kv(model):
     ex = executor(model)
     kvh = model.cfg.num_kv_heads
     shapes = ex.warm_shapes()
-    mixed = [sh for sh in shapes if any(s == 1 for _, s in sh) and any(s > 1 for _, s in sh)]
+
+    def decodes(sh):
+        return sum(s == 1 for _, s in sh)
+    mixed = [sh for sh in shapes if 0 < decodes(sh) < len(sh)]
     want = {decode_splits(n, kvh, ex.num_sms) for n in range(1, ex.max_seqs)}
     assert len(want) > 1
-    assert {decode_splits(sum(s == 1 for _, s in sh), kvh, ex.num_sms) for sh in mixed} == want
-    totals = {sum(s for _, s in sh) % 16 == 0 for sh in shapes}
-    assert totals == {True, False}
-    assert any(c > 0 and s > 1 for sh in shapes for c, s in sh), "a chunk after a cached prefix"
-    # Eager only (no decode graphs): decode-only steps of every class are warmed too.
-    decode_only = [sh for sh in shapes if all(s == 1 for _, s in sh)]
+    total = {id(sh): sum(s for _, s in sh) for sh in shapes}
+    # every split class of a mixed step's decode launch, each with T odd and even
+    assert {(decode_splits(decodes(sh), kvh, ex.num_sms), total[id(sh)] % 2) for sh in mixed} == \
+        {(c, p) for c in want for p in (0, 1)}
+    assert {decodes(sh) % 2 for sh in mixed} == {0, 1}, "odd and even decode counts"
+    prompts = [sh for sh in shapes if decodes(sh) == 0]
+    assert {total[id(sh)] % 16 == 0 for sh in prompts} == {True, False}
+    assert {total[id(sh)] % 2 for sh in prompts} == {0, 1}
+    assert any(c > 0 and s > 1 for sh in prompts for c, s in sh), "a chunk after a cached prefix"
+    # Eager only (no decode graphs): decode-only steps of every class, both parities.
+    decode_only = [sh for sh in shapes if decodes(sh) == len(sh)]
     assert {decode_splits(len(sh), kvh, ex.num_sms) for sh in decode_only} == want
+    assert {len(sh) % 2 for sh in decode_only} == {0, 1}
+
+    # One step of each kind, run: nothing is written into the cache.
     before = [c.clone() for c in ex.kv_caches]
-    ex.warm_eager()
+    ex.warm_eager([shapes[0], mixed[0], decode_only[0]])
     for c, b in zip(ex.kv_caches, before):
         assert torch.equal(c.view(torch.uint8), b.view(torch.uint8)), "the warm-up wrote KV"
 
