@@ -30,6 +30,7 @@ from services.worker.models.config import ModelConfig, RopeScaling  # noqa: E402
 from services.worker.models.llama import LayerWeights, LlamaModel  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
 from services.worker.wire import ProtoRunner  # noqa: E402
+from bench.compile_log import CompileLog  # noqa: E402
 
 BS = 16
 COPY_TBPS_NOMINAL = 4.3e12
@@ -245,39 +246,6 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
         fin.finished_ids.append(rid)
         run(runner, fin)
     return {"prompt_len": prompt_len, "ttft_ms_median": statistics.median(times[1:]), "all_ms": times}
-
-
-class CompileLog:
-    """Triton's JIT compiles while active (knobs.runtime.jit_post_compile_hook, where this Triton
-    has it): [(seconds since entering, kernel name, its specialisation)]. A compile mid-run is a
-    step that stalls."""
-
-    def __enter__(self):
-        import triton
-        self.events: list[tuple[float, str]] = []
-        self.runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-        self.t0 = time.perf_counter()
-        if self.runtime is not None and hasattr(self.runtime, "jit_post_compile_hook"):
-            self.prev = prev = self.runtime.jit_post_compile_hook
-
-            def hook(*args, **kwargs):
-                if prev is not None:
-                    prev(*args, **kwargs)
-                fn = kwargs.get("fn")
-                comp = kwargs.get("compile") or {}
-                spec = comp.get("specialization_data") if isinstance(comp, dict) else None
-                self.events.append((round(time.perf_counter() - self.t0, 3), str(getattr(fn, "name", fn)),
-                                    str(spec or kwargs.get("key", ""))[:3000]))
-                return False
-            self.runtime.jit_post_compile_hook = hook
-        else:
-            self.runtime = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.runtime is not None:
-            self.runtime.jit_post_compile_hook = self.prev
-        return False
 
 
 def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,

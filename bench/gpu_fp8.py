@@ -100,7 +100,7 @@ def main() -> int:
     a = p.parse_args()
     if a.compile_log:
         import atexit
-        from gpu_decode import CompileLog
+        from bench.compile_log import CompileLog
         log_all = CompileLog().__enter__()
         atexit.register(lambda: Path(a.compile_log).write_text(json.dumps(log_all.events, indent=0)))
     out = Path(a.out)
