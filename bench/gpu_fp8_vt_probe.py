@@ -12,7 +12,8 @@ before in the same run (kernels/attention.py's module doc says why):
   three (a copy of kernels/attention.py), timed too.
 
 Decode at batch 256, 64 and 1 (split-KV as served), ragged contexts, and prefill (1 and 4
-prompts of 1,024 tokens) with a tile sweep for the transposed layout.
+prompts of 1,024 tokens) with a tile sweep for the transposed layout, its V read as a 3D
+[d, blocks, BS] tile (served) and as a 2D one with contiguity hints (kernels/attention.V_LOAD_2D).
 
 A tried and dropped change, kept here as a record: the batch-1 GEMV with x loaded as a broadcast
 tile in the weight's layout (no shared-memory redistribution and its barriers) was slower on an
@@ -38,6 +39,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from services.worker import attention as ref  # noqa: E402
+from services.worker.kernels import attention as ka  # noqa: E402
 from services.worker.kernels.attention import decode_splits, paged_attention  # noqa: E402
 
 NH, KVH, D, BS, CTX = 32, 8, 128, 16, 1536
@@ -59,14 +61,19 @@ def attn_inputs(b: int, ctx: int = CTX):
     return base, rows, vt, tables, lens, lens_r
 
 
-def served(q, cache, tables, qsl, lens, transposed: bool, max_q: int = 1, **kw):
+def served(q, cache, tables, qsl, lens, transposed: bool, max_q: int = 1, load_2d: bool | None = None, **kw):
     """The served paged_attention with an fp8 cache's V read as stored before (transposed=False,
-    the cache in [BS, kvh, d]) or transposed per block (the served layout)."""
+    the cache in [BS, kvh, d]) or transposed per block (the served layout); load_2d: the
+    transposed V read as a 2D tile with contiguity hints (kernels/attention.V_LOAD_2D) or not."""
     ref.V_TRANSPOSE_FP8 = transposed
+    default_2d = ka.V_LOAD_2D
+    if load_2d is not None:
+        ka.V_LOAD_2D = load_2d
     try:
         return paged_attention(q, cache, tables, qsl, lens, max_q, D ** -0.5, **kw)
     finally:
         ref.V_TRANSPOSE_FP8 = True
+        ka.V_LOAD_2D = default_2d
 
 
 def bench_into(rows: dict, floor_ms: float | None, label: str):
@@ -104,6 +111,8 @@ def run_decode(res: dict, bw: float, before) -> None:
             bench("head_bf16", lambda: before.paged_attention(q, base, tables, qsl, lens, 1, D ** -0.5, num_splits=sp))
         bench("rows_fp8", lambda: served(q, rows_c, tables, qsl, lens, False, num_splits=sp))
         bench("served_fp8", lambda: served(q, vt_c, tables, qsl, lens, True, num_splits=sp), want)
+        bench("served_fp8_3d", lambda: served(q, vt_c, tables, qsl, lens, True, load_2d=False, num_splits=sp), want)
+        bench("served_fp8_2d", lambda: served(q, vt_c, tables, qsl, lens, True, load_2d=True, num_splits=sp), want)
         bench("served_fp8_ragged", lambda: served(q, vt_c, tables, qsl, lens_r, True, num_splits=sp), want_r)
         bench("served_bf16", lambda: paged_attention(q, base, tables, qsl, lens, 1, D ** -0.5, num_splits=sp))
         if b > 1:
@@ -130,8 +139,10 @@ def run_prefill(res: dict, before) -> None:
         bench("rows_fp8", lambda: served(q, rows_c, tables, qsl, lens, False, 1024))
         bench("served_bf16", lambda: paged_attention(q, base, tables, qsl, lens, 1024, D ** -0.5))
         for bn, w, st in PREFILL_CONFIGS:
-            bench(f"served_fp8_n{bn}_w{w}_s{st}", lambda: served(q, vt_c, tables, qsl, lens, True, 1024, block_n=bn,
-                                                                 num_warps=w, num_stages=st), want)
+            for two in (False, True):
+                bench(f"served_fp8_{'2d' if two else '3d'}_n{bn}_w{w}_s{st}",
+                      lambda: served(q, vt_c, tables, qsl, lens, True, 1024, load_2d=two, block_n=bn, num_warps=w,
+                                     num_stages=st), want)
         res["prefill"][f"{n}x1024"] = rows
         del base, rows_c, vt_c
         torch.cuda.empty_cache()
@@ -159,7 +170,9 @@ def run_ncu_prefill() -> None:
     base, rows_c, vt_c, tables, lens, _ = attn_inputs(4, 1024)
     q = torch.randn(4096, NH, D, device="cuda", dtype=torch.bfloat16)
     qsl = torch.arange(5, device="cuda", dtype=torch.int32) * 1024
-    fns = [lambda: served(q, rows_c, tables, qsl, lens, False, 1024), lambda: served(q, vt_c, tables, qsl, lens, True, 1024)]
+    fns = [lambda: served(q, rows_c, tables, qsl, lens, False, 1024),
+           lambda: served(q, vt_c, tables, qsl, lens, True, 1024, load_2d=False),
+           lambda: served(q, vt_c, tables, qsl, lens, True, 1024, load_2d=True)]
     for f in fns:
         f()
     torch.cuda.synchronize()

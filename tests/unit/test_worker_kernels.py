@@ -255,8 +255,8 @@ def test_write_kv_into_fp8_cache_equals_reference_quantization_bit_for_bit(dtype
         assert want[0].view(-1, kvh, d)[slots[0], 0, :4].float().tolist() == [448.0, 448.0, 448.0, -448.0]
 
 
-@pytest.mark.parametrize("bs", [8, 12])
-def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs):
+@pytest.mark.parametrize("bs,load_2d", [(8, False), (8, True), (12, False)])
+def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs, load_2d, monkeypatch):
     """An fp8 cache whose block size is a power of two stores V per block as [kvh, d, BS] (keys
     contiguous, kernels/attention.py); another block size keeps [BS, kvh, d]. The Triton store and
     the torch reference put the same bytes there, and attention over either layout, with stale
@@ -280,8 +280,15 @@ def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs):
     assert ref.v_transposed(cache) == (bs == 8)
     got = raw_v.view(nb, kvh, d, bs)[blk, :, :, off] if bs == 8 else raw_v[blk, off]
     assert torch.equal(got, ref.quantize_kv(v, FP8).view(torch.uint8))
+    monkeypatch.setattr(ka, "V_LOAD_2D", load_2d)     # the transposed V read as a 2D tile or a 3D one
     out = ka.paged_attention(q, cache, tables, qsl, lens, max(s for _, s in specs), 0.25)
     assert rel_err(out, want) < 2e-5
+    if bs == 8:   # split-KV decodes too (ragged contexts, padding row of context 0)
+        dec = [i for i, (_, s) in enumerate(specs) if s == 1]
+        dq = torch.cat([q[qsl[i]:qsl[i] + 1] for i in dec])
+        d_out = ka.paged_attention(dq, cache, tables[dec], torch.arange(len(dec) + 1, dtype=torch.int32),
+                                   lens[dec], 1, 0.25, num_splits=4, block_n=16)
+        assert rel_err(d_out, torch.cat([want[qsl[i]:qsl[i] + 1] for i in dec])) < 2e-5
 
 
 def test_the_kv_tier_layout_names_the_transposed_v_so_only_like_engines_share_blocks():

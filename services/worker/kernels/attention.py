@@ -40,6 +40,12 @@ from services.worker.attention import v_transposed
 from services.worker.kernels.pdl import launch_args, wait_prior
 
 _LOG2E = 1.4426950408889634
+# A transposed V (v_transposed) loaded as a 2D [d, keys] tile with contiguity hints instead of a 3D
+# [d, blocks, BS] one: compiled for sm_90a it keeps the 16-byte loads, uses the 2D shared buffer the
+# rows layout uses (the 3D one has ~90x the shared-load bank conflicts in prefill tiles on an H100,
+# ncu) and one block-table load a tile instead of two. Not yet timed on a GPU: off until
+# bench/gpu_fp8_vt_probe.py (its `*_2d` rows) says it is faster.
+V_LOAD_2D = False
 FP8_E4M3_MAX = 448.0
 # KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -87,6 +93,7 @@ def _paged_attn_kernel(
     HAS_SEQ_IDS: tl.constexpr,            # grid axis 0 walks seq_ids (a subset of the batch's sequences)
     USE_PDL: tl.constexpr = False,        # kernels/pdl.py
     V_T: tl.constexpr = False,            # V stored per block as [kvh, d, BLOCK_SIZE] (fp8 caches)
+    V_2D: tl.constexpr = False,           # with V_T: V_LOAD_2D's load (see there)
     DECODE: tl.constexpr = False,         # every sequence of the launch has one query token
     HAS_WINDOW: tl.constexpr = False,     # window > 0 (a branch on it inside the key loop costs)
 ):
@@ -136,20 +143,30 @@ def _paged_attn_kernel(
         lo = lo + split * chunk
         hi = tl.minimum(lo + chunk, hi)
     cols = tl.arange(0, BLOCK_N)
-    NBLK: tl.constexpr = BLOCK_N // BLOCK_SIZE if V_T else 1
-    VT_BS: tl.constexpr = BLOCK_SIZE if V_T else 1      # (any block size is fine without V_T)
+    NBLK: tl.constexpr = BLOCK_N // BLOCK_SIZE if V_T and not V_2D else 1
+    VT_BS: tl.constexpr = BLOCK_SIZE if V_T and not V_2D else 1      # (any block size without V_T)
     jb = tl.arange(0, NBLK)
     ii = tl.arange(0, VT_BS)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + cols                                            # [BLOCK_N]
         k_ok = k_pos < hi
-        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        kb_ok = (k_pos // BLOCK_SIZE) * BLOCK_SIZE < hi                 # the key's block is in range
+        # (masked per block, so a block's tail keys carry its id: V_2D's runs stay contiguous)
+        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=kb_ok, other=0)
         slot_off = blk.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_off = slot_off[:, None] + dims[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         # An fp8 cache is widened to q's dtype here (a no-op for a cache of q's dtype).
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)     # [BLOCK_N, D]
-        if V_T:
+        if V_T and V_2D:
+            # [D, BLOCK_N] with hints for what Triton cannot see through the gathered block ids:
+            # each block's BLOCK_SIZE keys are one contiguous run starting at a multiple of
+            # BLOCK_SIZE (a contiguous cache), so they load as vectors. Masked per block.
+            v_off = ((blk.to(tl.int64) * stride_cb + kvh * (HEAD_DIM * BLOCK_SIZE) + k_pos % BLOCK_SIZE)[None, :]
+                     + dims[:, None] * BLOCK_SIZE)
+            v_off = tl.max_contiguous(tl.multiple_of(v_off, [1, BLOCK_SIZE]), [1, BLOCK_SIZE])
+            vt = tl.load(v_cache_ptr + v_off, mask=d_ok[:, None] & kb_ok[None, :], other=0.0).to(q.dtype)
+        elif V_T:
             # [D, blocks, BS] -> [D, BLOCK_N]: whole blocks (start is BLOCK_N-aligned), masked per
             # block; keys past hi in the last block are finite bytes whose p is 0.
             bpos = start + jb * BLOCK_SIZE
@@ -295,7 +312,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_HEADS=nh, NUM_SPLITS=num_splits, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
-        V_T=v_t, DECODE=decode, HAS_WINDOW=bool(sliding_window), num_warps=num_warps, num_stages=num_stages, **launch_args(q),
+        V_T=v_t, V_2D=v_t and V_LOAD_2D, DECODE=decode, HAS_WINDOW=bool(sliding_window),
+        num_warps=num_warps, num_stages=num_stages, **launch_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(t, nh)](part_o, part_ml, out, out.stride(0), out.stride(1),
