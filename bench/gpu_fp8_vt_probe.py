@@ -148,13 +148,8 @@ def run_prefill(res: dict, before) -> None:
         torch.cuda.empty_cache()
 
 
-def run_ncu() -> None:
-    """Each kernel of interest once inside the profiled range (after compiling and warming up)."""
-    base, rows_c, vt_c, tables, lens, _ = attn_inputs(256)
-    q = torch.randn(256, NH, D, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.arange(257, device="cuda", dtype=torch.int32)
-    fns = [lambda: served(q, rows_c, tables, qsl, lens, False), lambda: served(q, vt_c, tables, qsl, lens, True),
-           lambda: paged_attention(q, base, tables, qsl, lens, 1, D ** -0.5)]
+def profile_once(fns) -> None:
+    """Each callable run once to compile and warm up, then once more inside the profiled range."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -163,6 +158,16 @@ def run_ncu() -> None:
         f()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+
+
+def run_ncu() -> None:
+    """Each kernel of interest once inside the profiled range (after compiling and warming up)."""
+    base, rows_c, vt_c, tables, lens, _ = attn_inputs(256)
+    q = torch.randn(256, NH, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(257, device="cuda", dtype=torch.int32)
+    fns = [lambda: served(q, rows_c, tables, qsl, lens, False), lambda: served(q, vt_c, tables, qsl, lens, True),
+           lambda: paged_attention(q, base, tables, qsl, lens, 1, D ** -0.5)]
+    profile_once(fns)
 
 
 def run_ncu_prefill() -> None:
@@ -173,14 +178,7 @@ def run_ncu_prefill() -> None:
     fns = [lambda: served(q, rows_c, tables, qsl, lens, False, 1024),
            lambda: served(q, vt_c, tables, qsl, lens, True, 1024, load_2d=False),
            lambda: served(q, vt_c, tables, qsl, lens, True, 1024, load_2d=True)]
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(fns)
 
 
 def load_before(path: str | None):

@@ -33,13 +33,13 @@ from services.worker.plan import LoadResult, PlanError, SaveResult, TierBlocks
 log = logging.getLogger("meshllm.worker.kv_tiers")
 
 LAYOUT = "L2BHD"
+_LOAD_CHUNK_BYTES = 64 << 20   # staging of one fetch: the kvstore's default window
 
 
 def layout(kv_dtype: torch.dtype, block_size: int) -> str:
     """The byte layout of a block of this cache dtype and block size (module doc)."""
     from services.worker.attention import v_transposed_for
     return LAYOUT + "-VT" if v_transposed_for(kv_dtype, block_size) else LAYOUT
-_LOAD_CHUNK_BYTES = 64 << 20   # staging of one fetch: the kvstore's default window
 
 
 @dataclass
