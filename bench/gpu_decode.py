@@ -349,7 +349,7 @@ def _pcts(xs: list[float]) -> dict | None:
 def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, path: Path | None) -> list:
     """Eager decode step of `batch` rows under torch.profiler: top kernels by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
-    runner.gpu.graph_sizes = []  # eager
+    sizes, runner.gpu.graph_sizes = runner.gpu.graph_sizes, []  # eager (restored after)
     plan = reqs.plan()
     ids = [f"prof{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -365,25 +365,51 @@ def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, pat
     fin = reqs.plan()
     fin.finished_ids.extend(ids)
     run(runner, fin)
+    runner.gpu.graph_sizes = sizes
     rows = []
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
         rows.append({"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3})
     return rows
 
 
-def profile_prefill(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen) -> list:
-    """One prefill step of a `prompt_len`-token prompt under torch.profiler: top kernels."""
+def profile_prefill(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, prompts: int = 1, top: int = 10) -> dict | list:
+    """One prefill step of `prompts` prompts of `prompt_len` tokens under torch.profiler: top
+    kernels (a list, for one prompt as before), or with several prompts a dict with the kernels,
+    the CUDA total and the step's wall time (median of 3 unprofiled runs)."""
     from torch.profiler import ProfilerActivity, profile
-    plan = reqs.plan()
-    plan.new_requests.add(request_id="profp", token_ids=torch.randint(0, 128000, (prompt_len,), generator=gen).tolist(),
-                          block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len, sampling=GREEDY)
+
+    def step(tag: str) -> list[str]:
+        plan = reqs.plan()
+        ids = [f"profp{tag}-{j}" for j in range(prompts)]
+        for rid in ids:
+            plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (prompt_len,), generator=gen).tolist(),
+                                  block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len,
+                                  sampling=GREEDY)
+        return plan, ids
+
+    def finish(ids):
+        fin = reqs.plan()
+        fin.finished_ids.extend(ids)
+        run(runner, fin)
+    plan, ids = step("p")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run(runner, plan)
-    fin = reqs.plan()
-    fin.finished_ids.append("profp")
-    run(runner, fin)
-    return [{"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3}
-            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]]
+    finish(ids)
+    avgs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    rows = [{"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3} for e in avgs[:top]]
+    if prompts == 1:
+        return rows
+    walls = []
+    for r in range(3):
+        plan, ids = step(f"w{r}")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(runner, plan)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        finish(ids)
+    return {"prompts": prompts, "prompt_len": prompt_len, "kernels": rows,
+            "cuda_ms_total": sum(e.device_time_total for e in avgs) / 1e3, "wall_ms_median": statistics.median(walls)}
 
 
 def peer(args, save) -> dict:

@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
-                        llama31_8b_config, mixed_parts, offline)
+                        llama31_8b_config, mixed_parts, offline, profile_prefill, profile_step)
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from services.worker import attention as ref_attention  # noqa: E402
+from services.worker.kernels import attention as kernels_attention  # noqa: E402
 from services.worker.kernels import elementwise  # noqa: E402
 from services.worker.kernels import pdl  # noqa: E402
 from services.worker.models import llama_triton  # noqa: E402
@@ -50,6 +51,11 @@ def weight_bytes(model) -> int:
                 w, Fp8Weight) else 0)
         total += (lw.input_norm.numel() + lw.post_norm.numel()) * 2
     return total
+
+
+def proj_params(cfg) -> int:
+    """Parameters of the projections a prompt token multiplies through (qkv, o, gate/up, down)."""
+    return cfg.num_layers * sum(n * k for n, k in SHAPES.values())
 
 
 def kernel_checks() -> dict:
@@ -85,12 +91,15 @@ def main() -> int:
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--weights", default="bf16,fp8")
     p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
+    p.add_argument("--profile", action="store_true", help="per mode: the kernels of an eager decode step at batch "
+                   "256 and of a prefill step of 8 prompts of 1,024 tokens (torch.profiler)")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, as the worker does")
     p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
     p.add_argument("--modes", default="fused,separate",
                    help="FP8-weight forwards to time: fused (the served one), separate, nopdl (fused, its "
                         "kernels launched without programmatic dependent launch: kernels/pdl.py), vrows (fused, "
-                        "an fp8 cache's V stored [BS, kvh, d] as before attention.V_TRANSPOSE_FP8), silu_whole / "
+                        "an fp8 cache's V stored [BS, kvh, d] as before attention.V_TRANSPOSE_FP8), v2d / v3d (fused, "
+                        "the transposed V read as a 2D tile or a 3D one: kernels/attention.V_LOAD_2D), silu_whole / "
                         "silu_chunks (fused, SiLU·mul's FP8 output from the row held whole / walked in chunks of "
                         "2,048: elementwise.SILU_FP8_CONFIG)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
@@ -120,6 +129,7 @@ def main() -> int:
     res["decode"], res["offline"] = [], []
     offline_runs = [tuple(x.split(":")) + (("fused",) if x.count(":") == 1 else ()) for x in a.offline.split(",") if x]
     silu_default = elementwise.SILU_FP8_CONFIG
+    v2d_default = kernels_attention.V_LOAD_2D
     for weights in a.weights.split(","):
         model = build_model(cfg, 4096)
         if weights == "fp8":
@@ -140,6 +150,7 @@ def main() -> int:
                 llama_triton.FUSED_FP8 = mode != "separate"
                 pdl.ENABLED = mode != "nopdl"
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
+                kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
                 if mode in ("silu_whole", "silu_chunks"):
                     elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8)
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
@@ -161,6 +172,14 @@ def main() -> int:
                     res.setdefault("mixed", []).append(r)
                     print("mixed", r, flush=True)
                     save()
+                if a.profile:
+                    r = {"weights": weights, "kv_cache": kv_name, "fp8_mode": mode,
+                         "prefill": profile_prefill(runner, Reqs(runner.num_blocks), 1024, gen, prompts=8, top=16)}
+                    r["prefill"]["projection_tflops"] = 2 * 8 * 1024 * proj_params(cfg) / r["prefill"]["wall_ms_median"] / 1e9
+                    r["decode_b256_eager"] = profile_step(runner, Reqs(runner.num_blocks), 256, 1536, gen, None)
+                    res.setdefault("profile", []).append(r)
+                    print("profile", json.dumps(r), flush=True)
+                    save()
                 if mode in wanted:
                     # Warm-up (untimed): every step shape the run will see compiled and allocated once.
                     offline(runner, 16, 8, 1024, 4, 8192, gen, 60.0)
@@ -175,6 +194,7 @@ def main() -> int:
                         save()
                 llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = True
                 elementwise.SILU_FP8_CONFIG = silu_default
+                kernels_attention.V_LOAD_2D = v2d_default
                 del runner
                 torch.cuda.empty_cache()
         del model

@@ -13,7 +13,7 @@ before in the same run (kernels/attention.py's module doc says why):
 
 Decode at batch 256, 64 and 1 (split-KV as served), ragged contexts, and prefill (1 and 4
 prompts of 1,024 tokens) with a tile sweep for the transposed layout, its V read as a 3D
-[d, blocks, BS] tile (served) and as a 2D one with contiguity hints (kernels/attention.V_LOAD_2D).
+[d, blocks, BS] tile (served for decode) and as a 2D one with contiguity hints (kernels/attention.V_LOAD_2D: served for prefill).
 
 A tried and dropped change, kept here as a record: the batch-1 GEMV with x loaded as a broadcast
 tile in the weight's layout (no shared-memory redistribution and its barriers) was slower on an
@@ -68,7 +68,7 @@ def served(q, cache, tables, qsl, lens, transposed: bool, max_q: int = 1, load_2
     ref.V_TRANSPOSE_FP8 = transposed
     default_2d = ka.V_LOAD_2D
     if load_2d is not None:
-        ka.V_LOAD_2D = load_2d
+        ka.V_LOAD_2D = "always" if load_2d else "never"
     try:
         return paged_attention(q, cache, tables, qsl, lens, max_q, D ** -0.5, **kw)
     finally:

@@ -255,7 +255,7 @@ def test_write_kv_into_fp8_cache_equals_reference_quantization_bit_for_bit(dtype
         assert want[0].view(-1, kvh, d)[slots[0], 0, :4].float().tolist() == [448.0, 448.0, 448.0, -448.0]
 
 
-@pytest.mark.parametrize("bs,load_2d", [(8, False), (8, True), (12, False)])
+@pytest.mark.parametrize("bs,load_2d", [(8, "never"), (8, "always"), (12, "prefill")])
 def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs, load_2d, monkeypatch):
     """An fp8 cache whose block size is a power of two stores V per block as [kvh, d, BS] (keys
     contiguous, kernels/attention.py); another block size keeps [BS, kvh, d]. The Triton store and

@@ -41,11 +41,13 @@ from services.worker.kernels.pdl import launch_args, wait_prior
 
 _LOG2E = 1.4426950408889634
 # A transposed V (v_transposed) loaded as a 2D [d, keys] tile with contiguity hints instead of a 3D
-# [d, blocks, BS] one: compiled for sm_90a it keeps the 16-byte loads, uses the 2D shared buffer the
-# rows layout uses (the 3D one has ~90x the shared-load bank conflicts in prefill tiles on an H100,
-# ncu) and one block-table load a tile instead of two. Not yet timed on a GPU: off until
-# bench/gpu_fp8_vt_probe.py (its `*_2d` rows) says it is faster.
-V_LOAD_2D = False
+# [d, blocks, BS] one: "prefill" (launches with prompt rows), "always" or "never". Compiled for
+# sm_90a, the 2D load keeps the 16-byte loads, uses the 2D shared buffer the rows layout uses and one
+# block-table load a tile instead of two. H100 (bench/gpu_fp8_vt_probe.py ->
+# bench/results/gpu_fp8_vt_probe_2d_h100.json): prefill 4 x 1,024 0.177 ms against 0.224 (the 3D
+# tile has ~90x the shared-load bank conflicts there, ncu), but decode slower (b64 0.099 vs 0.085 ms;
+# the whole 8B model's b256 step 16.1 vs 14.4 ms); so 2D for prefill launches only.
+V_LOAD_2D = "prefill"
 FP8_E4M3_MAX = 448.0
 # KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -312,7 +314,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_HEADS=nh, NUM_SPLITS=num_splits, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
-        V_T=v_t, V_2D=v_t and V_LOAD_2D, DECODE=decode, HAS_WINDOW=bool(sliding_window),
+        V_T=v_t, V_2D=v_t and _v_load_2d(decode), DECODE=decode, HAS_WINDOW=bool(sliding_window),
         num_warps=num_warps, num_stages=num_stages, **launch_args(q),
     )
     if num_splits > 1:
@@ -321,6 +323,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                                         BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
                                         **launch_args(part_o))
     return out
+
+
+def _v_load_2d(decode: bool) -> bool:
+    if V_LOAD_2D not in ("prefill", "always", "never"):
+        raise ValueError(f"V_LOAD_2D is {V_LOAD_2D!r}: prefill, always or never")
+    return V_LOAD_2D == "always" or (V_LOAD_2D == "prefill" and not decode)
 
 
 def v_t_block_size(kv_cache: torch.Tensor) -> int:

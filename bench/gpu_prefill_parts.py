@@ -1,0 +1,122 @@
+"""The elementwise kernels of a prefill step (issue 19), timed on one GPU at prefill row counts
+against their byte floors, with the variants each could take. A profile of one prefill step of
+8 prompts x 1,024 tokens (8B shape, FP8 weights and KV, H100, `bench/gpu_fp8.py --profile` ->
+bench/results/gpu_fp8_v2d_h100.json) had the GEMMs at ~1.4 PFLOP/s but SiLU·mul at
+15.2 ms of 134 and the q/k/v prep at 7.8 ms, 2.4x and ~4x their byte floors.
+
+- silu_mul with FP8 output (the gate_up product's consumer): (BLOCK, warps) of the per-row
+  program; BLOCK >= 14,336 holds the row whole (one read), else the row is walked twice;
+- qkv_prep_ (RoPE and the K/V cache store): an fp8 cache with V transposed per block (served),
+  with V as rows, a bf16 cache; heads per program.
+
+  python3 bench/gpu_prefill_parts.py --out $OUT/gpu_prefill_parts.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from services.worker import attention as ref_attention  # noqa: E402
+from services.worker.kernels import elementwise as ke  # noqa: E402
+from services.worker.kernels.qkv_prep import qkv_prep_  # noqa: E402
+
+SILU_CONFIGS = [(2048, 16), (2048, 8), (2048, 4), (4096, 8), (4096, 16), (16384, 16), (16384, 32)]
+WIDTH, NH, KVH, D, BS = 14336, 32, 8, 128, 16
+
+
+def timed(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def silu_rows(t: int, bw: float, g) -> dict:
+    x = torch.randn(t, 2 * WIDTH, device="cuda", generator=g).to(torch.bfloat16)
+    rs = torch.rand(t, 1, device="cuda", generator=g) + 0.5
+    cs = torch.rand(2 * WIDTH, device="cuda", generator=g) + 0.5
+    floor_us = (t * 2 * WIDTH * 2 + t * WIDTH) / bw * 1e6
+    ref_q, ref_s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=SILU_CONFIGS[0])
+    rows: dict = {"floor_us": floor_us}
+    for cfg in SILU_CONFIGS + ([ke.silu_config(t, WIDTH)] if hasattr(ke, "silu_config") else []):
+        key = f"{cfg[0]}x{cfg[1]}"
+        try:
+            q, s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg)
+            same = bool(torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s))
+            us = timed(lambda cfg=cfg: ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg))
+            rows[key] = {"us": us, "over_floor": us / floor_us, "equal_to_served": same}
+        except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run is a result
+            rows[key] = {"error": repr(exc)[:200]}
+        print("silu", t, key, rows[key], flush=True)
+    return rows
+
+
+def qkv_rows(t: int, bw: float, g) -> dict:
+    cols = (NH + 2 * KVH) * D
+    qkv0 = torch.randn(t, cols, device="cuda", generator=g).to(torch.bfloat16)
+    rs = torch.rand(t, 1, device="cuda", generator=g) + 0.5
+    cs = torch.rand(cols, device="cuda", generator=g) + 0.5
+    nb = t // BS + 16
+    # Prompts of 1,024 tokens on shuffled blocks, each block filled in order (as a prefill is).
+    blocks = torch.randperm(nb, device="cuda", generator=g)[:t // BS]
+    slots = (blocks[:, None] * BS + torch.arange(BS, device="cuda")).reshape(-1).to(torch.int64)
+    positions = (torch.arange(t, device="cuda") % 1024).to(torch.int64)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    ang = torch.arange(4096, device="cuda").float()[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], 1).contiguous()
+    sin = torch.cat([ang.sin(), ang.sin()], 1).contiguous()
+    # Bytes: qkv read, q and k written back (bf16), K and V into the cache.
+    rows: dict = {"floor_us_fp8": (t * cols * 2 + t * (NH + KVH) * D * 2 + t * 2 * KVH * D) / bw * 1e6}
+    variants = [("fp8_vt", torch.float8_e4m3fn, True, None, True), ("fp8_rows", torch.float8_e4m3fn, False, None, True),
+                ("bf16", torch.bfloat16, True, None, True), ("fp8_vt_unscaled", torch.float8_e4m3fn, True, None, False),
+                ("fp8_vt_h4", torch.float8_e4m3fn, True, 4, True), ("fp8_vt_h8", torch.float8_e4m3fn, True, 8, True),
+                ("fp8_vt_h32", torch.float8_e4m3fn, True, 32, True), ("fp8_rows_h8", torch.float8_e4m3fn, False, 8, True)]
+    for name, dt, vt, hpp, scaled in variants:
+        ref_attention.V_TRANSPOSE_FP8 = vt
+        try:
+            cache = torch.zeros(2, nb, BS, KVH, D, device="cuda", dtype=torch.bfloat16).to(dt)
+            qkv = qkv0.clone()
+
+            def fn():
+                qkv_prep_(qkv, positions, cos, sin, cache, slots, NH, KVH, D, heads_per_program=hpp,
+                          in_scales=(rs, cs) if scaled else None)
+            fn()
+            rows[name] = {"us": timed(fn)}
+            rows[name]["over_floor_fp8"] = rows[name]["us"] / rows["floor_us_fp8"]
+        except Exception as exc:  # noqa: BLE001
+            rows[name] = {"error": repr(exc)[:200]}
+        finally:
+            ref_attention.V_TRANSPOSE_FP8 = True
+        print("qkv_prep", t, name, rows[name], flush=True)
+    return rows
+
+
+def main() -> int:
+    from gpu_fp8_kernels import copy_bw
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results/gpu_prefill_parts.json")
+    p.add_argument("--rows", default="1024,8192")
+    a = p.parse_args()
+    bw = copy_bw()
+    res: dict = {"bench": "gpu_prefill_parts", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": triton.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "copy_bytes_per_s": bw,
+                 "silu_mul": {}, "qkv_prep": {}}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for t in (int(x) for x in a.rows.split(",")):
+        res["silu_mul"][str(t)] = silu_rows(t, bw, g)
+        res["qkv_prep"][str(t)] = qkv_rows(t, bw, g)
+        out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
