@@ -152,7 +152,7 @@ def main() -> int:
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
                 if mode in ("silu_whole", "silu_chunks"):
-                    elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8)
+                    elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8, 1)
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
                 if not a.skip_decode:
                     for b in (int(x) for x in a.decode_batches.split(",")):

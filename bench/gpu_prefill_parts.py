@@ -4,10 +4,14 @@ against their byte floors, with the variants each could take. A profile of one p
 bench/results/gpu_fp8_v2d_h100.json) had the GEMMs at ~1.4 PFLOP/s but SiLU·mul at
 15.2 ms of 134 and the q/k/v prep at 7.8 ms, 2.4x and ~4x their byte floors.
 
-- silu_mul with FP8 output (the gate_up product's consumer): (BLOCK, warps) of the per-row
-  program; BLOCK >= 14,336 holds the row whole (one read), else the row is walked twice;
+- silu_mul with FP8 output (the gate_up product's consumer): (BLOCK, warps[, ROWS]) of the
+  program; BLOCK >= 14,336 holds a row whole (one read), else the rows are walked twice; ROWS rows
+  a program share each chunk's column scales;
 - qkv_prep_ (RoPE and the K/V cache store): an fp8 cache with V transposed per block (served),
-  with V as rows, a bf16 cache; heads per program.
+  with V as rows, a bf16 cache; heads per program; with the product's scales or without;
+- the projections' FP8 GEMMs: unit-scaled (the consumer applies the token and channel scales,
+  kernels/fp8.unscaled_mm) against row-wise scaled in cuBLASLt's epilogue (nothing left for the
+  consumer), with SiLU·mul's time with and without the scales beside them.
 
   python3 bench/gpu_prefill_parts.py --out $OUT/gpu_prefill_parts.json
 """
@@ -28,9 +32,12 @@ import triton  # noqa: E402
 
 from services.worker import attention as ref_attention  # noqa: E402
 from services.worker.kernels import elementwise as ke  # noqa: E402
+from services.worker.kernels.fp8 import unscaled_mm  # noqa: E402
 from services.worker.kernels.qkv_prep import qkv_prep_  # noqa: E402
+from services.worker.models.fp8 import quantize_weight  # noqa: E402
 
-SILU_CONFIGS = [(2048, 16), (2048, 8), (2048, 4), (4096, 8), (4096, 16), (16384, 16), (16384, 32)]
+SILU_CONFIGS = [(2048, 16), (2048, 8), (16384, 32), (2048, 16, 2), (2048, 16, 4), (2048, 16, 8), (1024, 8, 4),
+                (1024, 16, 4), (1024, 8, 8), (512, 8, 8), (4096, 16, 4)]
 WIDTH, NH, KVH, D, BS = 14336, 32, 8, 128, 16
 
 
@@ -45,8 +52,8 @@ def silu_rows(t: int, bw: float, g) -> dict:
     floor_us = (t * 2 * WIDTH * 2 + t * WIDTH) / bw * 1e6
     ref_q, ref_s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=SILU_CONFIGS[0])
     rows: dict = {"floor_us": floor_us}
-    for cfg in SILU_CONFIGS + ([ke.silu_config(t, WIDTH)] if hasattr(ke, "silu_config") else []):
-        key = f"{cfg[0]}x{cfg[1]}"
+    for cfg in SILU_CONFIGS + [None]:
+        key = "served" if cfg is None else "x".join(map(str, cfg))
         try:
             q, s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg)
             same = bool(torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s))
@@ -74,11 +81,12 @@ def qkv_rows(t: int, bw: float, g) -> dict:
     sin = torch.cat([ang.sin(), ang.sin()], 1).contiguous()
     # Bytes: qkv read, q and k written back (bf16), K and V into the cache.
     rows: dict = {"floor_us_fp8": (t * cols * 2 + t * (NH + KVH) * D * 2 + t * 2 * KVH * D) / bw * 1e6}
-    variants = [("fp8_vt", torch.float8_e4m3fn, True, None, True), ("fp8_rows", torch.float8_e4m3fn, False, None, True),
-                ("bf16", torch.bfloat16, True, None, True), ("fp8_vt_unscaled", torch.float8_e4m3fn, True, None, False),
-                ("fp8_vt_h4", torch.float8_e4m3fn, True, 4, True), ("fp8_vt_h8", torch.float8_e4m3fn, True, 8, True),
-                ("fp8_vt_h32", torch.float8_e4m3fn, True, 32, True), ("fp8_rows_h8", torch.float8_e4m3fn, False, 8, True)]
-    for name, dt, vt, hpp, scaled in variants:
+    # (name, cache dtype, V transposed, heads a program, product scales, KV scale: 1 skips the division)
+    variants = [("fp8_vt", torch.float8_e4m3fn, True, None, True, 1.0), ("fp8_rows", torch.float8_e4m3fn, False, None, True, 1.0),
+                ("bf16", torch.bfloat16, True, None, True, 1.0), ("fp8_vt_unscaled", torch.float8_e4m3fn, True, None, False, 1.0),
+                ("fp8_vt_kv_scale_0.5", torch.float8_e4m3fn, True, None, True, 0.5),
+                ("fp8_vt_h8", torch.float8_e4m3fn, True, 8, True, 1.0), ("fp8_vt_h32", torch.float8_e4m3fn, True, 32, True, 1.0)]
+    for name, dt, vt, hpp, scaled, kv_scale in variants:
         ref_attention.V_TRANSPOSE_FP8 = vt
         try:
             cache = torch.zeros(2, nb, BS, KVH, D, device="cuda", dtype=torch.bfloat16).to(dt)
@@ -86,7 +94,7 @@ def qkv_rows(t: int, bw: float, g) -> dict:
 
             def fn():
                 qkv_prep_(qkv, positions, cos, sin, cache, slots, NH, KVH, D, heads_per_program=hpp,
-                          in_scales=(rs, cs) if scaled else None)
+                          in_scales=(rs, cs) if scaled else None, k_scale=kv_scale, v_scale=kv_scale)
             fn()
             rows[name] = {"us": timed(fn)}
             rows[name]["over_floor_fp8"] = rows[name]["us"] / rows["floor_us_fp8"]
@@ -98,22 +106,53 @@ def qkv_rows(t: int, bw: float, g) -> dict:
     return rows
 
 
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def gemm_rows(t: int, g) -> dict:
+    rows: dict = {}
+    for name, (n, k) in SHAPES.items():
+        w = quantize_weight(torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) * 0.02)
+        x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
+        q, s = ke_quant(x)
+        unit = timed(lambda: unscaled_mm((q, s), w, torch.bfloat16))
+        roww = timed(lambda: torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w.scale[None, :],
+                                              out_dtype=torch.bfloat16))
+        flops = 2 * t * n * k
+        rows[name] = {"unit_us": unit, "rowwise_us": roww, "unit_tflops": flops / unit / 1e6,
+                      "rowwise_tflops": flops / roww / 1e6}
+        print("gemm", t, name, rows[name], flush=True)
+    x = torch.randn(t, 2 * WIDTH, device="cuda", generator=g).to(torch.bfloat16)
+    rs = torch.rand(t, 1, device="cuda", generator=g) + 0.5
+    cs = torch.rand(2 * WIDTH, device="cuda", generator=g) + 0.5
+    rows["silu_scaled_us"] = timed(lambda: ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True))
+    rows["silu_unscaled_us"] = timed(lambda: ke.silu_mul(x, fp8_out=True))
+    print("gemm", t, "silu scaled / unscaled", rows["silu_scaled_us"], rows["silu_unscaled_us"], flush=True)
+    return rows
+
+
+def ke_quant(x):
+    from services.worker.kernels.fp8 import quantize_rows
+    return quantize_rows(x)
+
+
 def main() -> int:
     from gpu_fp8_kernels import copy_bw
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_prefill_parts.json")
-    p.add_argument("--rows", default="1024,8192")
+    p.add_argument("--rows", default="256,1024,8192")
     a = p.parse_args()
     bw = copy_bw()
     res: dict = {"bench": "gpu_prefill_parts", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "triton": triton.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "copy_bytes_per_s": bw,
-                 "silu_mul": {}, "qkv_prep": {}}
+                 "silu_mul": {}, "qkv_prep": {}, "gemm": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for t in (int(x) for x in a.rows.split(",")):
         res["silu_mul"][str(t)] = silu_rows(t, bw, g)
         res["qkv_prep"][str(t)] = qkv_rows(t, bw, g)
+        res["gemm"][str(t)] = gemm_rows(t, g)
         out.write_text(json.dumps(res, indent=1))
     return 0
 

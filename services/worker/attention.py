@@ -28,12 +28,16 @@ FP8_E4M3_MAX = 448.0
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """K or V as the cache stores it: fp8 holds x / scale (fp32 division, then clamped so
+    """K or V as the cache stores it: fp8 holds x / scale (fp32 IEEE division, then clamped so
     out-of-range values saturate instead of becoming NaN, then rounded to nearest even); other
-    dtypes are a plain cast."""
+    dtypes are a plain cast. The scale divides as a 0-dim tensor: CUDA torch multiplies by the
+    reciprocal of a Python-number divisor, which can differ from the division in the last bit."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
-    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    y = x.float()
+    if scale != 1.0:
+        y = y / torch.full((), scale, dtype=torch.float32, device=x.device)
+    return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
 
 
 V_TRANSPOSE_FP8 = True   # bench/gpu_fp8_vt_probe.py turns it off to time the layout of before in one run

@@ -123,6 +123,33 @@ def test_write_kv_fp8_saturates_and_matches_torch_bit_for_bit():
     assert not cache.float().isnan().any()
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_fp8_hardware_rounding_matches_torch_on_every_tie_and_its_neighbours(scale):
+    """On a GPU the e4m3 rounding is the conversion instruction (kernels/attention._HW_FP8_CVT):
+    every e4m3 value, every midpoint between neighbours (the ties), one fp32 ulp either side of
+    each, subnormals, -0.0 and values past 448, through write_kv from fp32 K/V: torch's bytes."""
+    from services.worker.kernels.attention import write_kv
+    grid = torch.arange(0, 256, dtype=torch.uint8, device=DEV).view(FP8).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()                 # 0 .. 448, sorted
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, torch.nextafter(mids, torch.full_like(mids, 1e9)),
+                      torch.nextafter(mids, torch.zeros_like(mids)),
+                      torch.tensor([448.5, 464.0, 480.0, 1e6, 3e38, 2.0 ** -10, 2.0 ** -12], device=DEV)])
+    vals = torch.cat([vals, -vals, torch.tensor([-0.0], device=DEV)]) * scale
+    kvh, d, bs = 8, 128, 16
+    t = -(-vals.numel() // (kvh * d))
+    flat = torch.zeros(t * kvh * d, device=DEV)
+    flat[:vals.numel()] = vals
+    k = flat.view(t, kvh, d)
+    v = k.flip(0).contiguous()
+    nb = -(-t // bs) + 2
+    cache = torch.zeros(2, nb, bs, kvh, d, device=DEV, dtype=FP8)
+    slots = torch.randperm(nb * bs, device=DEV)[:t]
+    write_kv(cache, k, v, slots, k_scale=scale, v_scale=scale)
+    for i, x in enumerate((k, v)):
+        assert torch.equal(stored_bytes(cache, i)[slots], ref.quantize_kv(x, FP8, scale).view(torch.uint8))
+
+
 def test_add_rms_norm_full_shape_bf16():
     from services.worker.kernels.elementwise import add_rms_norm
     x, res = torch.randn(2, 777, 4096, device=DEV, dtype=torch.bfloat16)

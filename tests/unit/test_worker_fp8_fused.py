@@ -58,9 +58,11 @@ def test_norm_scales_an_unscaled_product_adds_the_residual_and_quantises():
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("config", [(2048, 8), (4096, 16)])   # chunks (two and a ragged end); the row whole
+# chunks (two and a ragged end); the row whole; 2 and 4 rows a program (a partial last program)
+@pytest.mark.parametrize("config", [(2048, 8), (4096, 16), (2048, 4, 2), (1024, 4, 4)])
 def test_silu_mul_scales_its_input_and_quantises_a_whole_row(config):
     raw = torch.randn(3, 2 * 2500, generator=G) * 200
+    raw[1, :2500] = 0.0          # a row of zeros (scale 1) beside others in one program
     rs, cs = scales(3, 5000)
     got = ke.silu_mul(raw, in_scales=(rs, cs), fp8_out=True, fp8_config=config)
     same_fp8(got, quantize_rows(ke.silu_mul(raw * rs * cs)))

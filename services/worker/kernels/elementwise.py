@@ -124,76 +124,95 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 @triton.jit
-def _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED: tl.constexpr):
-    """silu(gate) * up of one row's columns `cols`, fp32. IN_SCALED: x is an unscaled FP8 product,
-    scaled here and rounded to x's dtype as the stored product would have been."""
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+def _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED: tl.constexpr):
+    """silu(gate) * up of rows `rows` [R] x columns `cols` [C] -> [R, C] fp32. IN_SCALED: x is an
+    unscaled FP8 product, scaled here and rounded to x's dtype as the stored product would have
+    been (the column scales loaded once for all R rows)."""
+    at = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(at + n_cols, mask=ok, other=0.0).to(tl.float32)
     if IN_SCALED:
-        r = tl.load(rs_ptr + row)
-        gate = (gate * r * tl.load(cs_ptr + cols, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        up = (up * r * tl.load(cs_ptr + n_cols + cols, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        r = tl.load(rs_ptr + rows, mask=rows >= 0, other=0.0)[:, None]
+        c_ok = cols < n_cols
+        gate = (gate * r * tl.load(cs_ptr + cols, mask=c_ok, other=0.0)[None, :]).to(x_ptr.dtype.element_ty)
+        up = (up * r * tl.load(cs_ptr + n_cols + cols, mask=c_ok, other=0.0)[None, :]).to(x_ptr.dtype.element_ty)
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, stride_x, stride_out,
+def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, stride_x, stride_out,
                      IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr = False, WHOLE_ROW: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = False, WHOLE_ROW: tl.constexpr = False, ROWS: tl.constexpr = 1):
     wait_prior(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    r_ok = rows < n_rows
+    rows = tl.where(r_ok, rows, -1)          # a row past the end: masked everywhere, no scale load
     if OUT_FP8 and WHOLE_ROW:
         # The whole row in one pass (enough warps that it fits in registers): its maximum, then
         # the same values quantised with it.
         cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
+        ok = r_ok[:, None] & (cols < n_cols)[None, :]
+        y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = row_scale(tl.max(tl.where(ok, tl.abs(y), 0.0), 0))
-        tl.store(qs_ptr + row, scale)
-        q = quantize_fp8_e4m3(y, scale)
-        tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
+        scale = row_scale(tl.max(tl.where(ok, tl.abs(y), 0.0), 1))
+        tl.store(qs_ptr + rows, scale, mask=r_ok)
+        q = quantize_fp8_e4m3(y, scale[:, None])
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
     elif OUT_FP8:
-        # One program per row, in chunks: the row's absolute maximum first, then the chunks again
-        # (from L2), quantised with it.
-        amax = tl.zeros([BLOCK], tl.float32)
+        # ROWS rows a program, in chunks: their absolute maxima first, then the chunks again (from
+        # L2), quantised with them. Several rows share each chunk's column scales.
+        amax = tl.zeros([ROWS, BLOCK], tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            ok = cols < n_cols
-            y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
+            ok = r_ok[:, None] & (cols < n_cols)[None, :]
+            y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
             amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
-        scale = row_scale(tl.max(amax, 0))
-        tl.store(qs_ptr + row, scale)
+        scale = row_scale(tl.max(amax, 1))
+        tl.store(qs_ptr + rows, scale, mask=r_ok)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            ok = cols < n_cols
-            y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
+            ok = r_ok[:, None] & (cols < n_cols)[None, :]
+            y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-            q = quantize_fp8_e4m3(y, scale)
-            tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
+            q = quantize_fp8_e4m3(y, scale[:, None])
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        y = _silu_chunk(x_ptr, rs_ptr, cs_ptr, row, stride_x, n_cols, cols, ok, IN_SCALED)
-        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+        ok = r_ok[:, None] & (cols < n_cols)[None, :]
+        y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# fp8_out: (BLOCK, num_warps) of the per-row program; BLOCK >= the row's width holds it whole.
+# fp8_out: (BLOCK, num_warps[, ROWS]) of the program; BLOCK >= the row's width holds a row whole.
 # H100, 8B shape (14,336 wide, bench/gpu_silu_sweep.py -> bench/results/gpu_silu_sweep.json):
 # chunks of 2,048 with 16 warps 17.4 us at 256 rows and 10.2 at 64, against 19.3 / 12.4 with 8
-# warps; the row held whole, 32 warps: 18.7 / 9.4.
-SILU_FP8_CONFIG: tuple[int, int] | None = None   # None: chunks of 2,048 with 16 warps
+# warps; the row held whole, 32 warps: 18.7 / 9.4. From SILU_ROWS_MIN rows on, SILU_MANY_ROWS:
+# several rows a program, so that each chunk's column scales are loaded once for all of them (at
+# 8,192 rows one row a program took 443 us with the scales and 293 without, H100,
+# bench/gpu_prefill_parts.py -> bench/results/gpu_prefill_parts_h100.json).
+SILU_FP8_CONFIG: tuple[int, ...] | None = None   # None: silu_config's choice
+SILU_ROWS_MIN = 1024
+SILU_MANY_ROWS = (2048, 16, 4)
+
+
+def silu_config(t: int) -> tuple[int, int, int]:
+    """(BLOCK, warps, ROWS) of the fp8_out program for t rows."""
+    cfg = SILU_FP8_CONFIG or ((2048, 16, 1) if t < SILU_ROWS_MIN else SILU_MANY_ROWS)
+    return (*cfg[:2], cfg[2] if len(cfg) > 2 else 1)
 
 
 def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024,
              in_scales: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_out: bool = False,
-             fp8_config: tuple[int, int] | None = None):
+             fp8_config: tuple[int, ...] | None = None):
     """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I].
 
     in_scales (row [T, 1], col [2I] float32): x is an unscaled FP8 product (x * row * col meant).
-    fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token (one program per
-    row then walks it twice: its maximum, then the values)."""
+    fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token (a program takes
+    ROWS rows and walks them twice: their maxima, then the values; fp8_config (BLOCK, warps[,
+    ROWS]) or silu_config's)."""
     t, two_i = x.shape
     i = two_i // 2
     if fp8_out:
@@ -203,6 +222,18 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
         out = torch.empty(t, i, dtype=x.dtype, device=x.device)
     if t == 0:
         return (out, qs) if fp8_out else out
+    assert x.stride(1) == 1 and out.stride(1) == 1
+    warps, rows = 4, 1
+    if fp8_out:
+        cfg = fp8_config or silu_config(t)
+        block, warps, rows = cfg[0], cfg[1], cfg[2] if len(cfg) > 2 else 1
+    block = min(block, triton.next_power_of_2(i))
+    rs, cs = in_scales if in_scales is not None else (x, x)
+    grid = (triton.cdiv(t, rows), 1) if fp8_out else (t, triton.cdiv(i, block))
+    _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, t, i, x.stride(0), out.stride(0),
+                           IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
+                           WHOLE_ROW=fp8_out and block >= i, ROWS=rows, num_warps=warps, **launch_args(x))
+    return (out, qs) if fp8_out else out
     assert x.stride(1) == 1 and out.stride(1) == 1
     warps = 4
     if fp8_out:

@@ -27,7 +27,8 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
                      IS_FP8: tl.constexpr, IN_SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False, V_T: tl.constexpr = False):
+                     BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False, V_T: tl.constexpr = False,
+                     UNIT_SCALES: tl.constexpr = False):
     wait_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -85,28 +86,30 @@ def _qkv_prep_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_p
         tl.store(base, x1_st, mask=v_ok)
         tl.store(base + HALF, x2_st, mask=v_ok)
 
-    # Cache: k rows take the rotated values (as left in qkv), v rows the loaded ones.
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    c1 = tl.where(is_v[:, None], x1_st, o1).to(tl.float32)
-    c2 = tl.where(is_v[:, None], x2_st, o2).to(tl.float32)
-    if IS_FP8:
-        # The one fp8 store rule of every KV write (x / scale saturated to ±448, rounded to even).
-        scale = tl.where(is_v, v_scale, k_scale)[:, None]
-        c1 = quantize_fp8_e4m3(c1, scale)
-        c2 = quantize_fp8_e4m3(c2, scale)
-    plane = is_v.to(tl.int64)
-    kv_head = tl.where(is_v, heads - NUM_HEADS - NUM_KV_HEADS, heads - NUM_HEADS).to(tl.int64)
-    row = (slot % BLOCK_SIZE) * stride_slot + kv_head * stride_ch                      # [BLOCK_H]
-    step = tl.full([BLOCK_H], 1, tl.int64)
-    if V_T:   # V per block as [kvh, d, BLOCK_SIZE] (kernels/attention.py): dim stride BLOCK_SIZE
-        row = tl.where(is_v, kv_head * (HEAD_DIM * BLOCK_SIZE) + slot % BLOCK_SIZE, row)
-        step = tl.where(is_v, BLOCK_SIZE, step)
-    dst = (cache_ptr + (plane * stride_plane + (slot // BLOCK_SIZE) * stride_blk + row)[:, None]
-           + dims[None, :] * step[:, None])
-    store_kv = (is_k | is_v) & (heads * 0 + slot >= 0)   # slot -1: a padding row
-    kv_ok = store_kv[:, None] & d_ok[None, :]
-    tl.store(dst, c1.to(cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(dst + HALF * step[:, None], c2.to(cache_ptr.dtype.element_ty), mask=kv_ok)
+    # Cache: k rows take the rotated values (as left in qkv), v rows the loaded ones. Programs of
+    # q heads only skip it (their stores would all be masked, but the fp8 rounding is not free).
+    if tl.program_id(1) * BLOCK_H + BLOCK_H > NUM_HEADS:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        c1 = tl.where(is_v[:, None], x1_st, o1).to(tl.float32)
+        c2 = tl.where(is_v[:, None], x2_st, o2).to(tl.float32)
+        if IS_FP8:
+            # The one fp8 store rule of every KV write (x / scale saturated to ±448, rounded to even).
+            scale = tl.where(is_v, v_scale, k_scale)[:, None]
+            c1 = quantize_fp8_e4m3(c1, scale, UNIT_SCALES)
+            c2 = quantize_fp8_e4m3(c2, scale, UNIT_SCALES)
+        plane = is_v.to(tl.int64)
+        kv_head = tl.where(is_v, heads - NUM_HEADS - NUM_KV_HEADS, heads - NUM_HEADS).to(tl.int64)
+        row = (slot % BLOCK_SIZE) * stride_slot + kv_head * stride_ch                      # [BLOCK_H]
+        step = tl.full([BLOCK_H], 1, tl.int64)
+        if V_T:   # V per block as [kvh, d, BLOCK_SIZE] (kernels/attention.py): dim stride BLOCK_SIZE
+            row = tl.where(is_v, kv_head * (HEAD_DIM * BLOCK_SIZE) + slot % BLOCK_SIZE, row)
+            step = tl.where(is_v, BLOCK_SIZE, step)
+        dst = (cache_ptr + (plane * stride_plane + (slot // BLOCK_SIZE) * stride_blk + row)[:, None]
+               + dims[None, :] * step[:, None])
+        store_kv = (is_k | is_v) & (heads * 0 + slot >= 0)   # slot -1: a padding row
+        kv_ok = store_kv[:, None] & d_ok[None, :]
+        tl.store(dst, c1.to(cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(dst + HALF * step[:, None], c2.to(cache_ptr.dtype.element_ty), mask=kv_ok)
 
 
 def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -161,6 +164,6 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
                            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                            HALF=half, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
                            IS_FP8=is_fp8, IN_SCALED=in_scales is not None, BLOCK_H=block_h,
-                           V_T=v_t_block_size(kv_cache) > 0,
+                           V_T=v_t_block_size(kv_cache) > 0, UNIT_SCALES=k_scale == 1.0 and v_scale == 1.0,
                            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **launch_args(qkv))
     return qkv
