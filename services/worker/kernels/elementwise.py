@@ -189,18 +189,17 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, str
 # fp8_out: (BLOCK, num_warps[, ROWS]) of the program; BLOCK >= the row's width holds a row whole.
 # H100, 8B shape (14,336 wide, bench/gpu_silu_sweep.py -> bench/results/gpu_silu_sweep.json):
 # chunks of 2,048 with 16 warps 17.4 us at 256 rows and 10.2 at 64, against 19.3 / 12.4 with 8
-# warps; the row held whole, 32 warps: 18.7 / 9.4. From SILU_ROWS_MIN rows on, SILU_MANY_ROWS:
-# several rows a program, so that each chunk's column scales are loaded once for all of them (at
-# 8,192 rows one row a program took 443 us with the scales and 293 without, H100,
-# bench/gpu_prefill_parts.py -> bench/results/gpu_prefill_parts_h100.json).
-SILU_FP8_CONFIG: tuple[int, ...] | None = None   # None: silu_config's choice
-SILU_ROWS_MIN = 1024
-SILU_MANY_ROWS = (2048, 16, 4)
+# warps; the row held whole, 32 warps: 18.7 / 9.4. At prefill sizes (bench/gpu_prefill_parts.py
+# -> bench/results/gpu_prefill_parts_h100.json) too: 391 us at 8,192 rows (1.63x its floor), 60 at
+# 1,024. Several rows a program, which share each chunk's column scales, were slower at every size
+# (8,192 rows: 479 us with 2 rows a program, 598 with 4; 1,024 rows: 79 / 93), though one row a
+# program took 443 us with the scales against 293 without them.
+SILU_FP8_CONFIG: tuple[int, ...] | None = None   # None: chunks of 2,048 with 16 warps, one row a program
 
 
 def silu_config(t: int) -> tuple[int, int, int]:
     """(BLOCK, warps, ROWS) of the fp8_out program for t rows."""
-    cfg = SILU_FP8_CONFIG or ((2048, 16, 1) if t < SILU_ROWS_MIN else SILU_MANY_ROWS)
+    cfg = SILU_FP8_CONFIG or (2048, 16, 1)
     return (*cfg[:2], cfg[2] if len(cfg) > 2 else 1)
 
 

@@ -150,7 +150,12 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     half = head_dim // 2
     # ~2K elements per program: big enough to stream well, small enough that a single decode
     # token still spreads over several SMs (Llama-3-8B: 48 heads of 128 -> 3 programs a token).
-    block_h = heads_per_program or max(1, 2048 // triton.next_power_of_2(head_dim))
+    # Half that where V is stored transposed: its byte-strided stores are the slow part, and more
+    # programs share them (H100, 8B shape, bench/gpu_prefill_parts.py: 8 heads a program 134 us
+    # at 8,192 tokens against 227 with 16, 9.2 against 14.3 at 256).
+    v_t = v_t_block_size(kv_cache) > 0
+    elems = 1024 if v_t else 2048
+    block_h = heads_per_program or max(1, elems // triton.next_power_of_2(head_dim))
     block_h = min(triton.next_power_of_2(block_h), triton.next_power_of_2(total))
     is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     wq = q_norm if has_norm else qkv  # placeholder pointers, never read without HAS_NORM
@@ -164,6 +169,6 @@ def qkv_prep_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
                            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                            HALF=half, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
                            IS_FP8=is_fp8, IN_SCALED=in_scales is not None, BLOCK_H=block_h,
-                           V_T=v_t_block_size(kv_cache) > 0, UNIT_SCALES=k_scale == 1.0 and v_scale == 1.0,
+                           V_T=v_t, UNIT_SCALES=k_scale == 1.0 and v_scale == 1.0,
                            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **launch_args(qkv))
     return qkv
