@@ -159,9 +159,20 @@ def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: i
     replay_ms = cuda_time_ms(graph[0].replay, 20) if graph else None
     # Pipelined, as the engine loop runs with async scheduling: step s+1 is submitted before
     # step s is collected, its input ids read from the sampler's device buffer.
+    # Collections meanwhile are timed (the worker freezes its heap after start-up; this loop's
+    # process may not have), as is each result's interval.
     wired = ProtoRunner(runner)
+    gc_s = [0.0, 0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_s[1]
+    gc.callbacks.append(on_gc)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
+    gaps = []
     pending = None
     for s in range(steps, 2 * steps):
         plan = reqs.plan()
@@ -170,14 +181,19 @@ def decode_steps(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, steps: i
         nxt = wired.submit(plan)
         if pending is not None:
             checked(wired.collect(pending))
+            gaps.append(time.perf_counter() - last)
+            last = time.perf_counter()
         pending = nxt
     checked(wired.collect(pending))
     pipelined_ms = (time.perf_counter() - t0) * 1e3 / steps
+    gc.callbacks.remove(on_gc)
     done = reqs.plan()
     done.finished_ids.extend(ids)
     run(runner, done)
     return {"batch": batch, "mean_context": ctx, "step_ms_median": statistics.median(wall),
-            "step_ms_pipelined": pipelined_ms, "graph_replay_ms": replay_ms}
+            "step_ms_pipelined": pipelined_ms, "graph_replay_ms": replay_ms,
+            "pipelined_result_ms_median": statistics.median(gaps[1:]) * 1e3 if len(gaps) > 1 else None,
+            "pipelined_result_ms_max": max(gaps) * 1e3 if gaps else None, "pipelined_gc_s": gc_s[0]}
 
 
 def mixed_parts(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, prompts: int, prompt_len: int, gen,
