@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
                         llama31_8b_config, mixed_parts, offline, profile_prefill, profile_step)
+from services.worker.kernels import fp8 as fp8_kernels  # noqa: E402
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from services.worker import attention as ref_attention  # noqa: E402
 from services.worker.kernels import attention as kernels_attention  # noqa: E402
@@ -99,7 +100,8 @@ def main() -> int:
                    help="FP8-weight forwards to time: fused (the served one), separate, nopdl (fused, its "
                         "kernels launched without programmatic dependent launch: kernels/pdl.py), vrows (fused, "
                         "an fp8 cache's V stored [BS, kvh, d] as before attention.V_TRANSPOSE_FP8), v2d / v3d (fused, "
-                        "the transposed V read as a 2D tile or a 3D one: kernels/attention.V_LOAD_2D), silu_whole / "
+                        "the transposed V read as a 2D tile or a 3D one: kernels/attention.V_LOAD_2D), slowacc (fused, "
+                        "the FP8 GEMMs without fast accumulation: kernels/fp8.FAST_ACCUM), silu_whole / "
                         "silu_chunks (fused, SiLU·mul's FP8 output from the row held whole / walked in chunks of "
                         "2,048: elementwise.SILU_FP8_CONFIG)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
@@ -149,6 +151,7 @@ def main() -> int:
                 # A runner per mode: its hello captures the decode graphs of that forward.
                 llama_triton.FUSED_FP8 = mode != "separate"
                 pdl.ENABLED = mode != "nopdl"
+                fp8_kernels.FAST_ACCUM = mode != "slowacc"
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
                 if mode in ("silu_whole", "silu_chunks"):
@@ -192,7 +195,7 @@ def main() -> int:
                         res["offline"].append(r)
                         print("offline", r, flush=True)
                         save()
-                llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = True
+                llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = fp8_kernels.FAST_ACCUM = True
                 elementwise.SILU_FP8_CONFIG = silu_default
                 kernels_attention.V_LOAD_2D = v2d_default
                 del runner

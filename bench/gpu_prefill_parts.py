@@ -10,8 +10,9 @@ bench/results/gpu_fp8_v2d_h100.json) had the GEMMs at ~1.4 PFLOP/s but SiLU·mul
 - qkv_prep_ (RoPE and the K/V cache store): an fp8 cache with V transposed per block (served),
   with V as rows, a bf16 cache; heads per program; with the product's scales or without;
 - the projections' FP8 GEMMs: unit-scaled (the consumer applies the token and channel scales,
-  kernels/fp8.unscaled_mm) against row-wise scaled in cuBLASLt's epilogue (nothing left for the
-  consumer), with SiLU·mul's time with and without the scales beside them.
+  kernels/fp8.unscaled_mm) with full and with fast accumulation (kernels/fp8.FAST_ACCUM; the
+  relative error of the fast one against the full one), against row-wise scaled in cuBLASLt's
+  epilogue (nothing left for the consumer), with SiLU·mul's time with and without the scales.
 
   python3 bench/gpu_prefill_parts.py --out $OUT/gpu_prefill_parts.json
 """
@@ -32,6 +33,7 @@ import triton  # noqa: E402
 
 from services.worker import attention as ref_attention  # noqa: E402
 from services.worker.kernels import elementwise as ke  # noqa: E402
+from services.worker.kernels import fp8 as fp8_kernels  # noqa: E402
 from services.worker.kernels.fp8 import unscaled_mm  # noqa: E402
 from services.worker.kernels.qkv_prep import qkv_prep_  # noqa: E402
 from services.worker.models.fp8 import quantize_weight  # noqa: E402
@@ -115,12 +117,22 @@ def gemm_rows(t: int, g) -> dict:
         w = quantize_weight(torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) * 0.02)
         x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
         q, s = ke_quant(x)
-        unit = timed(lambda: unscaled_mm((q, s), w, torch.bfloat16))
+        fast = fp8_kernels.FAST_ACCUM
+        try:
+            fp8_kernels.FAST_ACCUM = False
+            unit = timed(lambda: unscaled_mm((q, s), w, torch.bfloat16))
+            exact = unscaled_mm((q, s), w, torch.float32)
+            fp8_kernels.FAST_ACCUM = True
+            unit_fast = timed(lambda: unscaled_mm((q, s), w, torch.bfloat16))
+            fast_err = float((unscaled_mm((q, s), w, torch.float32) - exact).norm() / exact.norm())
+        finally:
+            fp8_kernels.FAST_ACCUM = fast
         roww = timed(lambda: torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w.scale[None, :],
                                               out_dtype=torch.bfloat16))
         flops = 2 * t * n * k
-        rows[name] = {"unit_us": unit, "rowwise_us": roww, "unit_tflops": flops / unit / 1e6,
-                      "rowwise_tflops": flops / roww / 1e6}
+        rows[name] = {"unit_us": unit, "unit_fast_accum_us": unit_fast, "rowwise_us": roww,
+                      "unit_tflops": flops / unit / 1e6, "unit_fast_accum_tflops": flops / unit_fast / 1e6,
+                      "rowwise_tflops": flops / roww / 1e6, "fast_accum_relative_error": fast_err}
         print("gemm", t, name, rows[name], flush=True)
     x = torch.randn(t, 2 * WIDTH, device="cuda", generator=g).to(torch.bfloat16)
     rs = torch.rand(t, 1, device="cuda", generator=g) + 0.5
@@ -141,6 +153,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_prefill_parts.json")
     p.add_argument("--rows", default="256,1024,8192")
+    p.add_argument("--parts", default="silu,qkv,gemm")
     a = p.parse_args()
     bw = copy_bw()
     res: dict = {"bench": "gpu_prefill_parts", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -150,9 +163,12 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for t in (int(x) for x in a.rows.split(",")):
-        res["silu_mul"][str(t)] = silu_rows(t, bw, g)
-        res["qkv_prep"][str(t)] = qkv_rows(t, bw, g)
-        res["gemm"][str(t)] = gemm_rows(t, g)
+        if "silu" in a.parts:
+            res["silu_mul"][str(t)] = silu_rows(t, bw, g)
+        if "qkv" in a.parts:
+            res["qkv_prep"][str(t)] = qkv_rows(t, bw, g)
+        if "gemm" in a.parts:
+            res["gemm"][str(t)] = gemm_rows(t, g)
         out.write_text(json.dumps(res, indent=1))
     return 0
 

@@ -105,6 +105,11 @@ def gemv_fp8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
 
 
 W8A8_MIN_ROWS = 2   # from this many rows on, activations are quantised too (bench/gpu_fp8.py measures)
+# cuBLASLt's FP8 fast accumulation (no periodic promotion of the tensor cores' partial sums to
+# fp32 registers), as vLLM's CUTLASS FP8 GEMMs on Hopper (their FP8FastAccum schedules) and
+# TensorRT-LLM run. bench/gpu_prefill_parts.py and bench/gpu_fp8.py (mode "slowacc") time it
+# against full accumulation; tests/gpu/test_fp8_gpu.py checks the error at full shapes.
+FAST_ACCUM = True
 
 _UNIT: dict[torch.device, torch.Tensor] = {}
 
@@ -125,7 +130,8 @@ def unscaled_mm(a: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out_dtype: t
     consumer applies (the `in_scales` of kernels/elementwise.py and qkv_prep.py). The products
     of e4m3 values accumulate exactly in fp32; bf16 holds the sum's range (448^2 * K)."""
     q = a[0]
-    return torch._scaled_mm(q, w.weight.t(), scale_a=_unit(q.device), scale_b=_unit(q.device), out_dtype=out_dtype)
+    return torch._scaled_mm(q, w.weight.t(), scale_a=_unit(q.device), scale_b=_unit(q.device), out_dtype=out_dtype,
+                            use_fast_accum=FAST_ACCUM)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,4 +143,5 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     if x.shape[0] < W8A8_MIN_ROWS:    # weight-only: bf16 activations, the weight dequantised
         return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
     q, s = quantize_rows(x)
-    return torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w.scale[None, :], bias=bias, out_dtype=x.dtype)
+    return torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w.scale[None, :], bias=bias, out_dtype=x.dtype,
+                            use_fast_accum=FAST_ACCUM)
