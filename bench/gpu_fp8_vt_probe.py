@@ -44,6 +44,9 @@ from services.worker.kernels.attention import decode_splits, paged_attention  # 
 
 NH, KVH, D, BS, CTX = 32, 8, 128, 16, 1536
 PREFILL_CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2), (64, 8, 3)]
+# (BLOCK_M query rows = 16 tokens x 4 heads at 64, BLOCK_N keys, warps, stages) for the served prefill
+PREFILL_TILES = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2)]
+SHORT = False   # --short: the served configuration, the tiles and the kernels before only
 
 
 def attn_inputs(b: int, ctx: int = CTX):
@@ -105,12 +108,15 @@ def run_decode(res: dict, bw: float, before) -> None:
         sp = decode_splits(b, KVH)
         want = served(q, rows_c, tables, qsl, lens, False, num_splits=sp)
         want_r = served(q, rows_c, tables, qsl, lens_r, False, num_splits=sp)
-        if before is not None:
+        if before is not None and not SHORT:   # a kernels module from before the transposed V
             bench("head_fp8", lambda: before.paged_attention(q, rows_c, tables, qsl, lens, 1, D ** -0.5, num_splits=sp),
                   want)
             bench("head_bf16", lambda: before.paged_attention(q, base, tables, qsl, lens, 1, D ** -0.5, num_splits=sp))
         bench("rows_fp8", lambda: served(q, rows_c, tables, qsl, lens, False, num_splits=sp))
         bench("served_fp8", lambda: served(q, vt_c, tables, qsl, lens, True, num_splits=sp), want)
+        if before is not None:
+            bench("before_fp8_vt", lambda: before.paged_attention(q, vt_c, tables, qsl, lens, 1, D ** -0.5,
+                                                                   num_splits=sp), want)
         bench("served_fp8_3d", lambda: served(q, vt_c, tables, qsl, lens, True, load_2d=False, num_splits=sp), want)
         bench("served_fp8_2d", lambda: served(q, vt_c, tables, qsl, lens, True, load_2d=True, num_splits=sp), want)
         bench("served_fp8_ragged", lambda: served(q, vt_c, tables, qsl, lens_r, True, num_splits=sp), want_r)
@@ -133,12 +139,19 @@ def run_prefill(res: dict, before) -> None:
         rows: dict = {}
         bench = bench_into(rows, None, f"prefill {n}x1024")
         want = served(q, rows_c, tables, qsl, lens, False, 1024)
-        if before is not None:
+        if before is not None and not SHORT:
             bench("head_fp8", lambda: before.paged_attention(q, rows_c, tables, qsl, lens, 1024, D ** -0.5), want)
             bench("head_bf16", lambda: before.paged_attention(q, base, tables, qsl, lens, 1024, D ** -0.5))
         bench("rows_fp8", lambda: served(q, rows_c, tables, qsl, lens, False, 1024))
         bench("served_bf16", lambda: paged_attention(q, base, tables, qsl, lens, 1024, D ** -0.5))
-        for bn, w, st in PREFILL_CONFIGS:
+        bench("served_fp8", lambda: served(q, vt_c, tables, qsl, lens, True, 1024), want)
+        if before is not None:   # the kernels module before, over the served (transposed) layout
+            bench("before_fp8_vt", lambda: before.paged_attention(q, vt_c, tables, qsl, lens, 1024, D ** -0.5), want)
+        for bm, bn, w, st in PREFILL_TILES:
+            bench(f"served_fp8_m{bm}_n{bn}_w{w}_s{st}",
+                  lambda: served(q, vt_c, tables, qsl, lens, True, 1024, block_m=bm, block_n=bn, num_warps=w,
+                                 num_stages=st), want)
+        for bn, w, st in PREFILL_CONFIGS if not SHORT else ():
             for two in (False, True):
                 bench(f"served_fp8_{'2d' if two else '3d'}_n{bn}_w{w}_s{st}",
                       lambda: served(q, vt_c, tables, qsl, lens, True, 1024, load_2d=two, block_n=bn, num_warps=w,
@@ -196,7 +209,10 @@ def main() -> int:
     p.add_argument("--before", default=None, help="a copy of kernels/attention.py from before, timed too")
     p.add_argument("--ncu", action="store_true", help="run each kernel once in a profiled range, time nothing")
     p.add_argument("--ncu-prefill", action="store_true", help="the same for the prefill kernels (rows, transposed V)")
+    p.add_argument("--short", action="store_true", help="skip the older layout and tile sweeps")
     a = p.parse_args()
+    global SHORT
+    SHORT = a.short
     if a.ncu:
         run_ncu()
         return 0

@@ -92,6 +92,24 @@ def test_a_mixed_step_in_two_launches_by_sequence_equals_one_launch(kv_dtype):
     assert rel_err(out, whole) < 1e-5
 
 
+def test_paged_attention_prefill_tiles_skip_the_mask_only_below_their_first_query():
+    """Small tiles (8 tokens x 2 heads, 16 keys): each query tile of a long chunk after a cached
+    prefix sees some key tiles whole (no mask built) and some on its diagonal; a fresh prompt and
+    a decode before them."""
+    rng = random.Random(11)
+    nh, kvh, d, bs, nb = 4, 2, 16, 8, 40
+    specs = [(23, 1), (40, 50), (0, 45)]
+    seqs, tables, qsl, lens = make_batch(rng, specs, bs, nb)
+    t = sum(s for _, s in specs)
+    cache = torch.randn(2, nb, bs, kvh, d)
+    q, k, v = torch.randn(t, nh, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    meta = ref.build_attn_metadata(seqs, bs, torch.device("cpu"))
+    want = ref.paged_attention(q, k, v, cache.clone(), meta, d ** -0.5)
+    ka.write_kv(cache, k, v, meta.slot_mapping)
+    out = ka.paged_attention(q, cache, tables, qsl, lens, 50, d ** -0.5, block_m=16, block_n=16)
+    assert rel_err(out, want) < 2e-5
+
+
 def test_paged_attention_decode_only_with_small_blocks_and_padding_rows():
     """block_size 4 (a tile spans many blocks) and a CUDA-graph padding row (seq_len 0)."""
     rng = random.Random(3)

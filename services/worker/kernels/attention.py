@@ -158,6 +158,10 @@ def _paged_attn_kernel(
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
         hi = tl.minimum(lo + chunk, hi)
+    # Key tiles ending at or below open_hi need no mask: below hi, and (prefill) at or before the
+    # tile's first query position, so causal for all its rows. Only the diagonal tiles and the
+    # last one build it.
+    open_hi = hi if DECODE else tl.minimum(first_q_pos + tile * BLOCK_Q + 1, hi)
     cols = tl.arange(0, BLOCK_N)
     NBLK: tl.constexpr = BLOCK_N // BLOCK_SIZE if V_T and not V_2D else 1
     VT_BS: tl.constexpr = BLOCK_SIZE if V_T and not V_2D else 1      # (any block size without V_T)
@@ -195,14 +199,15 @@ def _paged_attn_kernel(
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale_log2       # [BLOCK_M, BLOCK_N]
-        if DECODE:
-            # one query at ctx - 1: every key below hi (<= ctx) is causal
-            allowed = tl.broadcast_to(k_ok[None, :], [BLOCK_M, BLOCK_N])
-        else:
-            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        if HAS_WINDOW:
-            allowed &= k_pos[None, :] > q_pos[:, None] - window
-        s = tl.where(allowed, s, float("-inf"))
+        if HAS_WINDOW or start + BLOCK_N > open_hi:    # else every row may see every key of the tile
+            if DECODE:
+                # one query at ctx - 1: every key below hi (<= ctx) is causal
+                allowed = tl.broadcast_to(k_ok[None, :], [BLOCK_M, BLOCK_N])
+            else:
+                allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            if HAS_WINDOW:
+                allowed &= k_pos[None, :] > q_pos[:, None] - window
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing allowed yet keep m = -inf: use 0 as their shift so no NaN appears.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
