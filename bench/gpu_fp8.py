@@ -108,6 +108,8 @@ def main() -> int:
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
+    p.add_argument("--token-budget", type=int, default=8192, help="offline: the most tokens in a step (the "
+                   "runner holds 16,384; vLLM's offline default on an H100-class card is 16,384)")
     a = p.parse_args()
     if a.compile_log:
         import atexit
@@ -190,7 +192,7 @@ def main() -> int:
                         gc.collect()
                         gc.freeze()
                     for max_seqs in (int(x) for x in a.max_seqs.split(",")):
-                        r = offline(runner, a.requests, max_seqs, 1024, 1024, 8192, gen, a.offline_cap_s)
+                        r = offline(runner, a.requests, max_seqs, 1024, 1024, a.token_budget, gen, a.offline_cap_s)
                         r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
                         res["offline"].append(r)
                         print("offline", r, flush=True)
