@@ -109,7 +109,8 @@ def main() -> int:
                                                     "kernel, specialisation) to this JSON file")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
     p.add_argument("--token-budget", type=int, default=8192, help="offline: the most tokens in a step (the "
-                   "runner holds 16,384; vLLM's offline default on an H100-class card is 16,384)")
+                   "runner holds 16,384; vLLM's offline defaults on cards of 70 GiB and more, A100s aside: "
+                   "16,384 tokens and 1,024 sequences a step)")
     a = p.parse_args()
     if a.compile_log:
         import atexit
