@@ -394,7 +394,7 @@ def profile_prefill(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, promp
     the CUDA total and the step's wall time (median of 3 unprofiled runs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def step(tag: str) -> list[str]:
+    def step(tag: str) -> tuple[pb.step.StepPlan, list[str]]:
         plan = reqs.plan()
         ids = [f"profp{tag}-{j}" for j in range(prompts)]
         for rid in ids:

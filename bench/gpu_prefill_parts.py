@@ -34,7 +34,7 @@ import triton  # noqa: E402
 from services.worker import attention as ref_attention  # noqa: E402
 from services.worker.kernels import elementwise as ke  # noqa: E402
 from services.worker.kernels import fp8 as fp8_kernels  # noqa: E402
-from services.worker.kernels.fp8 import unscaled_mm  # noqa: E402
+from services.worker.kernels.fp8 import quantize_rows, unscaled_mm  # noqa: E402
 from services.worker.kernels.qkv_prep import qkv_prep_  # noqa: E402
 from services.worker.models.fp8 import quantize_weight  # noqa: E402
 
@@ -116,7 +116,7 @@ def gemm_rows(t: int, g) -> dict:
     for name, (n, k) in SHAPES.items():
         w = quantize_weight(torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) * 0.02)
         x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
-        q, s = ke_quant(x)
+        q, s = quantize_rows(x)
         fast = fp8_kernels.FAST_ACCUM
         try:
             fp8_kernels.FAST_ACCUM = False
@@ -141,11 +141,6 @@ def gemm_rows(t: int, g) -> dict:
     rows["silu_unscaled_us"] = timed(lambda: ke.silu_mul(x, fp8_out=True))
     print("gemm", t, "silu scaled / unscaled", rows["silu_scaled_us"], rows["silu_unscaled_us"], flush=True)
     return rows
-
-
-def ke_quant(x):
-    from services.worker.kernels.fp8 import quantize_rows
-    return quantize_rows(x)
 
 
 def main() -> int:

@@ -197,12 +197,6 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, str
 SILU_FP8_CONFIG: tuple[int, ...] | None = None   # None: chunks of 2,048 with 16 warps, one row a program
 
 
-def silu_config(t: int) -> tuple[int, int, int]:
-    """(BLOCK, warps, ROWS) of the fp8_out program for t rows."""
-    cfg = SILU_FP8_CONFIG or (2048, 16, 1)
-    return (*cfg[:2], cfg[2] if len(cfg) > 2 else 1)
-
-
 def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024,
              in_scales: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_out: bool = False,
              fp8_config: tuple[int, ...] | None = None):
@@ -211,7 +205,7 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     in_scales (row [T, 1], col [2I] float32): x is an unscaled FP8 product (x * row * col meant).
     fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token (a program takes
     ROWS rows and walks them twice: their maxima, then the values; fp8_config (BLOCK, warps[,
-    ROWS]) or silu_config's)."""
+    ROWS]), else SILU_FP8_CONFIG's)."""
     t, two_i = x.shape
     i = two_i // 2
     if fp8_out:
@@ -224,7 +218,7 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     assert x.stride(1) == 1 and out.stride(1) == 1
     warps, rows = 4, 1
     if fp8_out:
-        cfg = fp8_config or silu_config(t)
+        cfg = fp8_config or SILU_FP8_CONFIG or (2048, 16)
         block, warps, rows = cfg[0], cfg[1], cfg[2] if len(cfg) > 2 else 1
     block = min(block, triton.next_power_of_2(i))
     rs, cs = in_scales if in_scales is not None else (x, x)
@@ -232,15 +226,4 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, t, i, x.stride(0), out.stride(0),
                            IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
                            WHOLE_ROW=fp8_out and block >= i, ROWS=rows, num_warps=warps, **launch_args(x))
-    return (out, qs) if fp8_out else out
-    assert x.stride(1) == 1 and out.stride(1) == 1
-    warps = 4
-    if fp8_out:
-        block, warps = fp8_config or SILU_FP8_CONFIG or (2048, 16)
-    block = min(block, triton.next_power_of_2(i))
-    rs, cs = in_scales if in_scales is not None else (x, x)
-    grid = (t, 1) if fp8_out else (t, triton.cdiv(i, block))
-    _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, i, x.stride(0), out.stride(0),
-                           IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
-                           WHOLE_ROW=fp8_out and block >= i, num_warps=warps, **launch_args(x))
     return (out, qs) if fp8_out else out
