@@ -265,7 +265,8 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
 
 
 def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,
-            token_budget: int, gen, time_cap_s: float, pipelined: bool = True, vocab: int = 128000) -> dict:
+            token_budget: int, gen, time_cap_s: float, pipelined: bool = True, vocab: int = 128000,
+            gc_census: bool = False) -> dict:
     """Continuous batching of fixed-length requests (EOS ignored): decodes first, then whole
     prompts while the token budget and max_seqs allow; blocks for prompt + output up front.
     Plans are made ahead like the scheduler's async scheduling (a request's outputs are counted
@@ -334,6 +335,7 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
     wall = time.perf_counter() - t0
     compiles.__exit__(None, None, None)
     gc.callbacks.remove(on_gc)
+    census = _gc_census() if gc_census else None    # the last requests are not finished yet
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
     return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
             "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget, "pipelined": pipelined,
@@ -348,10 +350,24 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             "gc": {f"gen{g}": {"count": sum(1 for x, _ in gc_pauses if x == g),
                                "total_s": sum(d for x, d in gc_pauses if x == g),
                                "max_ms": max((d for x, d in gc_pauses if x == g), default=0.0) * 1e3} for g in (0, 1, 2)},
-            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_frozen_objects": gc.get_freeze_count(), "gc_census": census,
             # The slowest results (seconds, step, prompts, decodes) and Triton compiles during the run.
             "slowest_steps": [(round(g, 4), i, p, d) for g, i, p, d in slowest],
             "triton_compiles": compiles.events if compiles.runtime is not None else "no compile hook"}
+
+
+def _gc_census() -> dict:
+    """The collector's generations now (sizes, the oldest one's commonest types) and one full
+    collection timed: what a generation-2 pause has to walk."""
+    import collections
+    sizes = [len(gc.get_objects(g)) for g in (0, 1, 2)]
+    old = gc.get_objects(2)
+    top = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in old).most_common(15)
+    del old
+    t = time.perf_counter()
+    freed = gc.collect()
+    return {"sizes": sizes, "frozen": gc.get_freeze_count(), "gen2_top": top, "full_collect_ms": (time.perf_counter() - t) * 1e3,
+            "full_collect_freed": freed, "threshold": gc.get_threshold()}
 
 
 def _pcts(xs: list[float]) -> dict | None:

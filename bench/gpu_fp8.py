@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
                         llama31_8b_config, mixed_parts, offline, profile_prefill, profile_step)
+from services.common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.worker.kernels import fp8 as fp8_kernels  # noqa: E402
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from services.worker import attention as ref_attention  # noqa: E402
@@ -64,7 +65,7 @@ def kernel_checks() -> dict:
     out = {}
     x = torch.randn(512, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 3
     q, s = quantize_rows(x)
-    ref = (x.float() / s).clamp(-448, 448).to(FP8)
+    ref = (x.float() * (1 / s)).clamp(-448, 448).to(FP8)   # kernels/fp8.quantize_act's rule
     out["quantiser_equal_to_torch_cast"] = bool(torch.equal(q.float(), ref.float()))
     errs = {}
     for name, (n, k) in SHAPES.items():
@@ -94,7 +95,10 @@ def main() -> int:
     p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
     p.add_argument("--profile", action="store_true", help="per mode: the kernels of an eager decode step at batch "
                    "256 and of a prefill step of 8 prompts of 1,024 tokens (torch.profiler)")
-    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, as the worker does")
+    p.add_argument("--gc-freeze", action="store_true", help="after the warm-up, gc_heap.freeze_startup_heap() "
+                   "(freeze, first threshold widened) as every service does")
+    p.add_argument("--gc-census", action="store_true", help="offline: after the loop, with every request still "
+                   "held, the collector's oldest generation by type and one full collection timed")
     p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
     p.add_argument("--modes", default="fused,separate",
                    help="FP8-weight forwards to time: fused (the served one), separate, nopdl (fused, its "
@@ -103,7 +107,10 @@ def main() -> int:
                         "the transposed V read as a 2D tile or a 3D one: kernels/attention.V_LOAD_2D), slowacc (fused, "
                         "the FP8 GEMMs without fast accumulation: kernels/fp8.FAST_ACCUM), silu_whole / "
                         "silu_chunks (fused, SiLU·mul's FP8 output from the row held whole / walked in chunks of "
-                        "2,048: elementwise.SILU_FP8_CONFIG)")
+                        "2,048: elementwise.SILU_FP8_CONFIG), exact (fused, SiLU with exp and a division and "
+                        "activations quantised by division: elementwise.FAST_SILU, fp8.RECIPROCAL_QUANT off), gc700 "
+                        "(fused, the offline runs with the garbage collector's default first threshold, not "
+                        "gc_heap.GEN0_THRESHOLD)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
@@ -155,6 +162,9 @@ def main() -> int:
                 llama_triton.FUSED_FP8 = mode != "separate"
                 pdl.ENABLED = mode != "nopdl"
                 fp8_kernels.FAST_ACCUM = mode != "slowacc"
+                # "exact": SiLU with exp and a division, activations quantised by division (the math
+                # before kernels/elementwise.FAST_SILU and kernels/fp8.RECIPROCAL_QUANT)
+                elementwise.FAST_SILU = fp8_kernels.RECIPROCAL_QUANT = mode != "exact"
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
                 if mode in ("silu_whole", "silu_chunks"):
@@ -189,15 +199,19 @@ def main() -> int:
                 if mode in wanted:
                     # Warm-up (untimed): every step shape the run will see compiled and allocated once.
                     offline(runner, 16, 8, 1024, 4, 8192, gen, 60.0)
-                    if a.gc_freeze:
-                        gc.collect()
-                        gc.freeze()
+                    thresholds = gc.get_threshold()
+                    if a.gc_freeze:   # as every service does after start-up (services/common/gc_heap.py)
+                        freeze_startup_heap()
+                    if mode == "gc700":   # the collector's default first threshold, as before gc_heap's
+                        gc.set_threshold(700, thresholds[1], thresholds[2])
                     for max_seqs in (int(x) for x in a.max_seqs.split(",")):
-                        r = offline(runner, a.requests, max_seqs, 1024, 1024, a.token_budget, gen, a.offline_cap_s)
+                        r = offline(runner, a.requests, max_seqs, 1024, 1024, a.token_budget, gen, a.offline_cap_s,
+                                    gc_census=a.gc_census)
                         r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
                         res["offline"].append(r)
                         print("offline", r, flush=True)
                         save()
+                    gc.set_threshold(*thresholds)
                 llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = fp8_kernels.FAST_ACCUM = True
                 elementwise.SILU_FP8_CONFIG = silu_default
                 kernels_attention.V_LOAD_2D = v2d_default

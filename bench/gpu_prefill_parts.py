@@ -7,6 +7,11 @@ bench/results/gpu_fp8_v2d_h100.json) had the GEMMs at ~1.4 PFLOP/s but SiLU·mul
 - silu_mul with FP8 output (the gate_up product's consumer): (BLOCK, warps[, ROWS]) of the
   program; BLOCK >= 14,336 holds a row whole (one read), else the rows are walked twice; ROWS rows
   a program share each chunk's column scales;
+  Each under the served math and with parts of it undone (MATHS: SiLU's exp and division instead
+  of the MUFU approximations, elementwise.FAST_SILU; activations quantised by division instead of
+  by the row's reciprocal, fp8.RECIPROCAL_QUANT);
+- the residual-add RMSNorm that scales the o / down product and quantises its output, under the
+  served quantiser and the division;
 - qkv_prep_ (RoPE and the K/V cache store): an fp8 cache with V transposed per block (served),
   with V as rows, a bf16 cache; heads per program; with the product's scales or without;
 - the projections' FP8 GEMMs: unit-scaled (the consumer applies the token and channel scales,
@@ -38,8 +43,9 @@ from services.worker.kernels.fp8 import quantize_rows, unscaled_mm  # noqa: E402
 from services.worker.kernels.qkv_prep import qkv_prep_  # noqa: E402
 from services.worker.models.fp8 import quantize_weight  # noqa: E402
 
-SILU_CONFIGS = [(2048, 16), (2048, 8), (16384, 32), (2048, 16, 2), (2048, 16, 4), (2048, 16, 8), (1024, 8, 4),
-                (1024, 16, 4), (1024, 8, 8), (512, 8, 8), (4096, 16, 4)]
+SILU_CONFIGS = [(2048, 16), (2048, 8), (16384, 32), (4096, 16), (2048, 16, 2)]
+# (name, elementwise.FAST_SILU, fp8.RECIPROCAL_QUANT): the served math, and each part of it undone
+MATHS = [("", True, True), ("exact", False, False), ("exact_silu", False, True), ("div_quant", True, False)]
 WIDTH, NH, KVH, D, BS = 14336, 32, 8, 128, 16
 
 
@@ -47,23 +53,58 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
+def _math(fast: bool, rcp: bool) -> None:
+    ke.FAST_SILU, fp8_kernels.RECIPROCAL_QUANT = fast, rcp
+
+
 def silu_rows(t: int, bw: float, g) -> dict:
+    """Each config with the served math; the served config and the whole row with each MATHS
+    variant too (equal_to_served compares with the served config under the same math)."""
     x = torch.randn(t, 2 * WIDTH, device="cuda", generator=g).to(torch.bfloat16)
     rs = torch.rand(t, 1, device="cuda", generator=g) + 0.5
     cs = torch.rand(2 * WIDTH, device="cuda", generator=g) + 0.5
     floor_us = (t * 2 * WIDTH * 2 + t * WIDTH) / bw * 1e6
-    ref_q, ref_s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=SILU_CONFIGS[0])
     rows: dict = {"floor_us": floor_us}
-    for cfg in SILU_CONFIGS + [None]:
-        key = "served" if cfg is None else "x".join(map(str, cfg))
-        try:
-            q, s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg)
-            same = bool(torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s))
-            us = timed(lambda cfg=cfg: ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg))
-            rows[key] = {"us": us, "over_floor": us / floor_us, "equal_to_served": same}
-        except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run is a result
-            rows[key] = {"error": repr(exc)[:200]}
-        print("silu", t, key, rows[key], flush=True)
+    try:
+        for math, fast, rcp in MATHS:
+            _math(fast, rcp)
+            ref_q, ref_s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=SILU_CONFIGS[0])
+            for cfg in (SILU_CONFIGS + [None]) if not math else [SILU_CONFIGS[0], (16384, 32)]:
+                key = "served" if cfg is None else "x".join(map(str, cfg))
+                key += f"_{math}" if math else ""
+                try:
+                    q, s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg)
+                    same = bool(torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s))
+                    us = timed(lambda cfg=cfg: ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True, fp8_config=cfg))
+                    rows[key] = {"us": us, "over_floor": us / floor_us, "equal_to_served": same}
+                except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run is a result
+                    rows[key] = {"error": repr(exc)[:200]}
+                print("silu", t, key, rows[key], flush=True)
+    finally:
+        _math(True, True)
+    return rows
+
+
+def norm_rows(t: int, bw: float, g) -> dict:
+    """The residual-add RMSNorm that scales the o / down product and quantises for the next
+    projection (4,096 wide), under each MATHS variant's quantiser."""
+    h = 4096
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16) * 50
+    res0 = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(h, device="cuda", generator=g).to(torch.bfloat16) + 0.5
+    rs = torch.rand(t, 1, device="cuda", generator=g) + 0.5
+    cs = torch.rand(h, device="cuda", generator=g) * 0.01
+    res = res0.clone()
+    # x and the residual read, the residual written, the e4m3 output written
+    rows: dict = {"floor_us": t * h * 7 / bw * 1e6}
+    try:
+        for math, fast, rcp in MATHS[:2]:
+            _math(fast, rcp)
+            us = timed(lambda: ke.add_rms_norm(x, w, 1e-5, residual=res, in_scales=(rs, cs), fp8_out=True))
+            rows[math or "served"] = {"us": us, "over_floor": us / rows["floor_us"]}
+            print("norm", t, math or "served", rows[math or "served"], flush=True)
+    finally:
+        _math(True, True)
     return rows
 
 
@@ -148,18 +189,20 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gpu_prefill_parts.json")
     p.add_argument("--rows", default="256,1024,8192")
-    p.add_argument("--parts", default="silu,qkv,gemm")
+    p.add_argument("--parts", default="silu,norm,qkv,gemm")
     a = p.parse_args()
     bw = copy_bw()
     res: dict = {"bench": "gpu_prefill_parts", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "triton": triton.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "copy_bytes_per_s": bw,
-                 "silu_mul": {}, "qkv_prep": {}, "gemm": {}}
+                 "silu_mul": {}, "norm": {}, "qkv_prep": {}, "gemm": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for t in (int(x) for x in a.rows.split(",")):
         if "silu" in a.parts:
             res["silu_mul"][str(t)] = silu_rows(t, bw, g)
+        if "norm" in a.parts:
+            res["norm"][str(t)] = norm_rows(t, bw, g)
         if "qkv" in a.parts:
             res["qkv_prep"][str(t)] = qkv_rows(t, bw, g)
         if "gemm" in a.parts:

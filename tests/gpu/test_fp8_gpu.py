@@ -26,7 +26,7 @@ def test_fp8_kernels_at_full_shapes(n, k):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(300, k, device="cuda", generator=g, dtype=torch.bfloat16) * 4
     q, s = quantize_rows(x)
-    assert torch.equal(q.float(), (x.float() / s).clamp(-448, 448).to(FP8).float())
+    assert torch.equal(q.float(), (x.float() * (1 / s)).clamp(-448, 448).to(FP8).float())
     w = quantize_weight(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
     deq = w.dequantize(torch.float32)
     for m in (1, 7, 64, 300):

@@ -107,9 +107,11 @@ def tokenizer(smollm2_dir):
 
 def test_the_worker_freezes_its_startup_heap_before_it_is_ready(worker):
     """gc.freeze() once the model is loaded (services/common/gc_heap.py): full collections never
-    walk the start-up objects again."""
-    m = re.search(r"froze (\d+) start-up objects", worker.log_path.read_text())
+    walk the start-up objects again, and a step's short-lived containers trigger none."""
+    from services.common.gc_heap import GEN0_THRESHOLD
+    m = re.search(r"froze (\d+) start-up objects.*first threshold (\d+)", worker.log_path.read_text())
     assert m and int(m.group(1)) > 10_000
+    assert int(m.group(2)) == GEN0_THRESHOLD
 
 
 def test_hello_reports_the_model_and_cache(worker, smollm2_dir):

@@ -152,8 +152,34 @@ def test_the_triton_quantiser_matches_torchs_e4m3_cast():
     q, s = quantize_rows(x)
     amax = x.abs().amax(1)
     assert torch.equal(s[:, 0], torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
-    # Equal values (a tiny negative that rounds to zero may come out +0 rather than -0).
-    assert torch.equal(q.float(), (x / s).clamp(-448, 448).to(FP8).float())
+    # Equal values (a tiny negative that rounds to zero may come out +0 rather than -0): the row
+    # times its scale's reciprocal (vLLM's per-token rule), not divided by the scale.
+    assert torch.equal(q.float(), (x * (1 / s)).clamp(-448, 448).to(FP8).float())
+
+
+@pytest.mark.parametrize("reciprocal", [True, False])
+def test_the_quantiser_multiplies_by_the_reciprocal_where_that_differs_from_dividing(monkeypatch, reciprocal):
+    """Values next to e4m3 rounding ties, where x * (1 / s) and x / s land on either side of the
+    tie: the quantiser gives the multiplied one (the rule the GPU and its torch twin share), or the
+    divided one when RECIPROCAL_QUANT is off (the A/B switch)."""
+    from services.worker.kernels import fp8 as fp8_kernels
+    from services.worker.kernels.fp8 import quantize_rows
+    monkeypatch.setattr(fp8_kernels, "RECIPROCAL_QUANT", reciprocal)
+    ties = torch.tensor([1.0625, 1.1875, 3.25, 13.0, 104.0, 0.0146484375])   # e4m3 midpoints
+    for amax in (1.3, 7.7, 200.1, 333.3):
+        s = torch.tensor([amax / 448], dtype=torch.float32)
+        near = (ties[:, None] * s).repeat(1, 33)                # a few fp32 ulps either side of each tie
+        steps = torch.arange(-16, 17, dtype=torch.float32)
+        x = (near + steps * torch.finfo(torch.float32).eps * near.abs()).flatten()
+        x = torch.cat([torch.tensor([amax]), x])               # the row's maximum: its scale is s
+        by_mul = (x * (1 / s)).clamp(-448, 448).to(FP8).float()
+        by_div = (x / s).clamp(-448, 448).to(FP8).float()
+        if not torch.equal(by_mul, by_div):
+            q, scale = quantize_rows(x[None, :])
+            assert torch.equal(scale[0], s)
+            assert torch.equal(q[0].float(), by_mul if reciprocal else by_div)
+            return
+    raise AssertionError("no value near a tie rounds differently under the two rules")
 
 
 def test_the_fp8_gemv_equals_the_dequantised_product():

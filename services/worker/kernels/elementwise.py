@@ -1,6 +1,7 @@
 """Row-wise Triton kernels of the decoder layer: fused residual-add + RMSNorm, rotary embedding
 (in place on the fused qkv), SiLU·mul. Each one reads its input once and writes its output once;
-the arithmetic is fp32 whatever the storage dtype.
+the arithmetic is fp32 whatever the storage dtype (SiLU's exponential and reciprocal on a GPU are
+the hardware's approximations, `_silu`).
 
 With FP8 weights (kernels/fp8.py) the norm and SiLU·mul take the unscaled FP8 product in and apply
 its per-token and per-channel scales as they read it (`in_scales`), and quantise their output per
@@ -15,8 +16,10 @@ import triton.language as tl
 
 from services.worker.kernels.pdl import launch_args, wait_prior
 
-from services.worker.kernels.attention import quantize_fp8_e4m3
-from services.worker.kernels.fp8 import quantize_row, row_scale
+from services.worker.kernels.attention import _HW_FP8_CVT as _FAST_MATH   # a GPU, not the interpreter
+
+from services.worker.kernels import fp8 as fp8_kernels
+from services.worker.kernels.fp8 import inverse_scale, quantize_act, quantize_row, row_scale
 from services.worker.models.fp8 import FP8
 
 
@@ -24,7 +27,7 @@ from services.worker.models.fp8 import FP8
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out,
                          HAS_RESIDUAL: tl.constexpr, IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False, RCP: tl.constexpr = True):
     wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,7 +51,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr,
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if OUT_FP8:   # the next projection's per-token FP8 input, quantised here instead of re-read
         y = (y * w).to(res_ptr.dtype.element_ty).to(tl.float32)
-        quantize_row(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok)
+        quantize_row(y, out_ptr + row * stride_out, qs_ptr, row, cols, ok, RCP)
     else:
         tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -78,7 +81,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _add_rms_norm_kernel[(t,)](x, res, weight, out, rs, cs, qs if fp8_out else weight, h, eps,
                                x.stride(0), res.stride(0), out.stride(0),
                                HAS_RESIDUAL=residual is not None, IN_SCALED=in_scales is not None,
-                               OUT_FP8=fp8_out, BLOCK=block, num_warps=min(16, max(1, block // 256)), **launch_args(x))
+                               OUT_FP8=fp8_out, BLOCK=block, RCP=fp8_kernels.RECIPROCAL_QUANT,
+                               num_warps=min(16, max(1, block // 256)), **launch_args(x))
     return (out, qs) if fp8_out else out
 
 
@@ -124,7 +128,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 @triton.jit
-def _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED: tl.constexpr):
+def _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED: tl.constexpr, FAST: tl.constexpr):
     """silu(gate) * up of rows `rows` [R] x columns `cols` [C] -> [R, C] fp32. IN_SCALED: x is an
     unscaled FP8 product, scaled here and rounded to x's dtype as the stored product would have
     been (the column scales loaded once for all R rows)."""
@@ -138,13 +142,27 @@ def _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALE
         up = (up * r * tl.load(cs_ptr + n_cols + cols, mask=c_ok, other=0.0)[None, :]).to(x_ptr.dtype.element_ty)
         gate = gate.to(tl.float32)
         up = up.to(tl.float32)
-    return gate / (1.0 + tl.exp(-gate)) * up
+    return _silu(gate, FAST) * up
+
+
+@triton.jit
+def _silu(g, FAST: tl.constexpr):
+    """g * sigmoid(g) in fp32. On a GPU the exponential and the reciprocal are single MUFU
+    instructions (ex2 / rcp .approx.ftz: ~2 ulp, no denormal or range fix-ups); the interpreter
+    computes g / (1 + exp(-g))."""
+    if FAST and _FAST_MATH:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return g * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+    return g / (1.0 + tl.exp(-g))
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, stride_x, stride_out,
                      IN_SCALED: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr = False, WHOLE_ROW: tl.constexpr = False, ROWS: tl.constexpr = 1):
+                     USE_PDL: tl.constexpr = False, WHOLE_ROW: tl.constexpr = False, ROWS: tl.constexpr = 1,
+                     FAST: tl.constexpr = True, RCP: tl.constexpr = True):
     wait_prior(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     r_ok = rows < n_rows
@@ -154,11 +172,11 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, str
         # the same values quantised with it.
         cols = tl.arange(0, BLOCK)
         ok = r_ok[:, None] & (cols < n_cols)[None, :]
-        y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
+        y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED, FAST)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         scale = row_scale(tl.max(tl.where(ok, tl.abs(y), 0.0), 1))
         tl.store(qs_ptr + rows, scale, mask=r_ok)
-        q = quantize_fp8_e4m3(y, scale[:, None])
+        q = quantize_act(y, scale[:, None], inverse_scale(scale)[:, None], RCP)
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
     elif OUT_FP8:
         # ROWS rows a program, in chunks: their absolute maxima first, then the chunks again (from
@@ -167,22 +185,23 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, str
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = r_ok[:, None] & (cols < n_cols)[None, :]
-            y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
+            y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED, FAST)
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
             amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
         scale = row_scale(tl.max(amax, 1))
         tl.store(qs_ptr + rows, scale, mask=r_ok)
+        inv = inverse_scale(scale)[:, None]
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = r_ok[:, None] & (cols < n_cols)[None, :]
-            y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
+            y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED, FAST)
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-            q = quantize_fp8_e4m3(y, scale[:, None])
+            q = quantize_act(y, scale[:, None], inv, RCP)
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = r_ok[:, None] & (cols < n_cols)[None, :]
-        y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED)
+        y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED, FAST)
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -194,6 +213,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, str
 # 1,024. Several rows a program, which share each chunk's column scales, were slower at every size
 # (8,192 rows: 479 us with 2 rows a program, 598 with 4; 1,024 rows: 79 / 93), though one row a
 # program took 443 us with the scales against 293 without them.
+# SiLU's exponential and reciprocal as single MUFU instructions on a GPU (`_silu`); False: exp and
+# a division with their denormal and range fix-ups (for A/B runs: bench/gpu_fp8.py mode "exactsilu").
+FAST_SILU = True
 SILU_FP8_CONFIG: tuple[int, ...] | None = None   # None: chunks of 2,048 with 16 warps, one row a program
 
 
@@ -225,5 +247,6 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     grid = (triton.cdiv(t, rows), 1) if fp8_out else (t, triton.cdiv(i, block))
     _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, t, i, x.stride(0), out.stride(0),
                            IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
-                           WHOLE_ROW=fp8_out and block >= i, ROWS=rows, num_warps=warps, **launch_args(x))
+                           WHOLE_ROW=fp8_out and block >= i, ROWS=rows, FAST=FAST_SILU,
+                           RCP=fp8_kernels.RECIPROCAL_QUANT, num_warps=warps, **launch_args(x))
     return (out, qs) if fp8_out else out

@@ -30,27 +30,51 @@ from services.worker.models.fp8 import FP8, Fp8Weight
 @triton.jit
 def row_scale(amax):
     """A per-token FP8 scale from the row's absolute maximum: amax / 448, 1 for an all-zero row."""
-    return tl.where(amax > 0, amax / 448.0, 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)   # as torch's amax / 448, bit for bit
+
+
+# Per-token activations are quantised as x * (1 / scale), the reciprocal computed once per row, as
+# vLLM's dynamic per-token quantisers do; False: x / scale, an IEEE division per value (a
+# reciprocal, fix-ups and a slow-path branch each in the SASS). For A/B runs (bench/gpu_fp8.py mode
+# "divquant"); the KV cache's stores keep their division (kernels/attention.quantize_fp8_e4m3).
+RECIPROCAL_QUANT = True
 
 
 @triton.jit
-def quantize_row(v, q_ptr, s_ptr, row, cols, ok):
+def inverse_scale(scale):
+    """1 / scale, correctly rounded (IEEE, as torch's `1 / s`)."""
+    return tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
+def quantize_act(v, scale, inv, RCP: tl.constexpr):
+    """A per-token activation's e4m3 values (kernels/attention.quantize_fp8_e4m3's saturation and
+    rounding) of `v * inv` (RCP; inv = inverse_scale(scale); the torch twin is
+    `(x * (1 / s)).clamp(-448, 448).to(fp8)`), else of `v / scale`."""
+    if RCP:
+        return quantize_fp8_e4m3(v * inv, 1.0, UNIT_SCALE=True)
+    return quantize_fp8_e4m3(v, scale)
+
+
+@triton.jit
+def quantize_row(v, q_ptr, s_ptr, row, cols, ok, RCP: tl.constexpr):
     """Per-token FP8 of one row held in registers (fp32): its scale into s_ptr[row], the e4m3
-    values into q_ptr + cols (kernels/attention.quantize_fp8_e4m3, the one rounding rule)."""
+    values into q_ptr + cols (`quantize_act`)."""
     scale = row_scale(tl.max(tl.where(ok, tl.abs(v), 0.0), 0))
     tl.store(s_ptr + row, scale)
-    tl.store(q_ptr + cols, quantize_fp8_e4m3(v, scale).to(q_ptr.dtype.element_ty), mask=ok)
+    q = quantize_act(v, scale, inverse_scale(scale), RCP)
+    tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
+                       USE_PDL: tl.constexpr = False, RCP: tl.constexpr = True):
     wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     if ONE_PASS:   # the whole row in registers: one read
         rk = tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        quantize_row(x, q_ptr + row * stride_q, s_ptr, row, rk, rk < K)
+        quantize_row(x, q_ptr + row * stride_q, s_ptr, row, rk, rk < K, RCP)
         return
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -59,10 +83,11 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.c
         amax = tl.maximum(amax, tl.abs(x))
     scale = row_scale(tl.max(amax, 0))
     tl.store(s_ptr + row, scale)
+    inv = inverse_scale(scale)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        q = quantize_fp8_e4m3(x, scale)
+        q = quantize_act(x, scale, inv, RCP)
         tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
 
 
@@ -70,14 +95,15 @@ ONE_PASS_MAX_K = 16384   # rows up to this long are read once (held in registers
 
 
 def quantize_rows(x: torch.Tensor, one_pass: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), x ~= q * scale."""
+    """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), x ~= q * scale: scale =
+    the row's absolute maximum / 448, q = x * (1 / scale) rounded (`quantize_act`, RECIPROCAL_QUANT)."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         one = one_pass and k <= ONE_PASS_MAX_K
         block = triton.next_power_of_2(k) if one else min(1024, triton.next_power_of_2(k))
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one,
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one, RCP=RECIPROCAL_QUANT,
                                  num_warps=min(16, max(4, block // 512)) if one else 4, **launch_args(x))
     return q, s
 
