@@ -201,6 +201,7 @@ def offline_phase(a: argparse.Namespace) -> dict:
 
     from gpu_decode import BS, offline
     from services.worker.config import WorkerConfig
+    from services.common.gc_heap import freeze_startup_heap
     from services.worker.load import load_model_runner
     cfg = WorkerConfig(model=a.model_dir, zmq_addr="inproc://gpu-online", device=a.device, dtype=a.dtype,
                        max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
@@ -218,6 +219,7 @@ def offline_phase(a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(a.seed)
     warm = min(4, a.max_num_seqs)
     offline(runner, warm, warm, a.input_len, min(8, a.output_len), a.max_num_batched_tokens, gen, 120.0, vocab=vocab)
+    freeze_startup_heap()   # as the worker does once loaded (services/worker/engine.py): like for like
     points = [(c, n, "point") for c, n in workload(a)]
     if (a.max_num_seqs, a.requests) not in [(c, n) for c, n, _ in points]:
         points.append((a.max_num_seqs, a.requests, "offline_engine"))
