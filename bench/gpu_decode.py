@@ -266,17 +266,19 @@ def ttft(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, reps: int = 5) -
 
 def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, out_len: int,
             token_budget: int, gen, time_cap_s: float, pipelined: bool = True, vocab: int = 128000,
-            gc_census: bool = False) -> dict:
-    """Continuous batching of fixed-length requests (EOS ignored): decodes first, then whole
-    prompts while the token budget and max_seqs allow; blocks for prompt + output up front.
-    Plans are made ahead like the scheduler's async scheduling (a request's outputs are counted
-    when planned); pipelined: two steps in flight (submit N+1, collect N), else one. Prompt ids are
-    drawn from [0, vocab)."""
+            gc_census: bool = False, chunked: bool = True) -> dict:
+    """Continuous batching of fixed-length requests (EOS ignored): decodes first, then prompts
+    while the token budget and max_seqs allow; blocks for prompt + output up front. chunked (the
+    scheduler's policy, services/scheduler/core/scheduler.py): the step's leftover budget takes
+    the next chunk of prompts already started, then the first chunk of new ones, so every step
+    fills its budget; else whole prompts only, admitted while one fits. Plans are made ahead like
+    the scheduler's async scheduling (a request's outputs are counted when planned); pipelined: two
+    steps in flight (submit N+1, collect N), else one. Prompt ids are drawn from [0, vocab)."""
     free = list(range(runner.num_blocks))
     need = -(-(in_len + out_len) // BS)
     waiting = list(range(num_requests))
     prompts = {i: torch.randint(0, vocab, (in_len,), generator=gen).tolist() for i in waiting}
-    running: dict[str, list] = {}  # rid -> [outputs planned, blocks]
+    running: dict[str, list] = {}  # rid -> [outputs planned, blocks, prompt tokens planned]
     finished: list[str] = []
     out_tokens, steps, prefill_steps, max_batch = 0, 0, 0, 0
     inflight: list = []
@@ -301,24 +303,37 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
             plan = pb.step.StepPlan(step_id=steps, finished_ids=finished)
             finished = []
             budget = token_budget
-            for rid, st in running.items():
-                plan.cached_requests.add(request_id=rid, num_computed_tokens=in_len + st[0] - 1,
-                                         num_scheduled_tokens=1)
-                st[0] += 1
-                budget -= 1
-            while waiting and len(running) < max_seqs and budget >= in_len and len(free) >= need:
+            prompt_tokens = 0
+            for rid, st in running.items():   # decodes
+                if st[2] == in_len:
+                    plan.cached_requests.add(request_id=rid, num_computed_tokens=in_len + st[0] - 1,
+                                             num_scheduled_tokens=1)
+                    st[0] += 1
+                    budget -= 1
+            for rid, st in running.items():   # prompts started in an earlier step: their next chunk
+                if st[2] < in_len and budget > 0:
+                    c = min(in_len - st[2], budget)
+                    plan.cached_requests.add(request_id=rid, num_computed_tokens=st[2], num_scheduled_tokens=c)
+                    st[2] += c
+                    st[0] = 1 if st[2] == in_len else 0   # the last chunk samples the first output
+                    budget -= c
+                    prompt_tokens += c
+            while (waiting and len(running) < max_seqs and budget >= (1 if chunked else in_len)
+                   and len(free) >= need):
                 i = waiting.pop(0)
                 rid = f"o{i}"
-                running[rid] = [1, [free.pop() for _ in range(need)]]
+                c = min(in_len, budget)
+                running[rid] = [1 if c == in_len else 0, [free.pop() for _ in range(need)], c]
                 plan.new_requests.add(request_id=rid, token_ids=prompts.pop(i), block_ids=running[rid][1],
-                                      num_scheduled_tokens=in_len, sampling=GREEDY)
-                budget -= in_len
-            prefill_steps += len(plan.new_requests) > 0
+                                      num_scheduled_tokens=c, sampling=GREEDY)
+                budget -= c
+                prompt_tokens += c
+            prefill_steps += prompt_tokens > 0
             max_batch = max(max_batch, len(running))
             for rid in [r for r, st in running.items() if st[0] >= out_len]:
                 free += running.pop(rid)[1]   # reused only by later steps: stream order keeps it safe
                 finished.append(rid)
-            inflight.append((wired.submit(plan), len(plan.new_requests) > 0, steps, len(plan.new_requests),
+            inflight.append((wired.submit(plan), prompt_tokens > 0, steps, len(plan.new_requests),
                              len(plan.cached_requests)))
             steps += 1
             if len(inflight) < depth:
@@ -339,6 +354,7 @@ def offline(runner: ModelRunner, num_requests: int, max_seqs: int, in_len: int, 
     run(runner, pb.step.StepPlan(step_id=steps + 1, finished_ids=finished + list(running)))
     return {"requests": num_requests, "completed_all": not waiting and not running, "in_len": in_len,
             "out_len": out_len, "max_num_seqs": max_seqs, "token_budget": token_budget, "pipelined": pipelined,
+            "chunked_prompts": chunked,
             "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
             "steps": steps, "prefill_steps": prefill_steps, "max_running": max_batch,
             # Where the wall time went: results of steps without / with prompt tokens.

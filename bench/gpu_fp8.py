@@ -97,6 +97,8 @@ def main() -> int:
                    "256 and of a prefill step of 8 prompts of 1,024 tokens (torch.profiler)")
     p.add_argument("--gc-freeze", action="store_true", help="after the warm-up, gc_heap.freeze_startup_heap() "
                    "(freeze, first threshold widened) as every service does")
+    p.add_argument("--whole-prompts", action="store_true", help="offline: admit whole prompts only (the loop "
+                   "before 2026-12-06), not the scheduler's chunks that fill each step's budget")
     p.add_argument("--gc-census", action="store_true", help="offline: after the loop, with every request still "
                    "held, the collector's oldest generation by type and one full collection timed")
     p.add_argument("--decode-batches", default="1,64,256", help="comma-separated decode step batch sizes")
@@ -206,7 +208,7 @@ def main() -> int:
                         gc.set_threshold(700, thresholds[1], thresholds[2])
                     for max_seqs in (int(x) for x in a.max_seqs.split(",")):
                         r = offline(runner, a.requests, max_seqs, 1024, 1024, a.token_budget, gen, a.offline_cap_s,
-                                    gc_census=a.gc_census)
+                                    gc_census=a.gc_census, chunked=not a.whole_prompts)
                         r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
                         res["offline"].append(r)
                         print("offline", r, flush=True)
