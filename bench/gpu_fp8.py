@@ -112,7 +112,7 @@ def main() -> int:
                         "2,048: elementwise.SILU_FP8_CONFIG), exact (fused, SiLU with exp and a division and "
                         "activations quantised by division: elementwise.FAST_SILU, fp8.RECIPROCAL_QUANT off), gc700 "
                         "(fused, the offline runs with the garbage collector's default first threshold, not "
-                        "gc_heap.GEN0_THRESHOLD)")
+                        "gc_heap.GEN0_THRESHOLD), whole (fused, the offline runs admitting whole prompts only)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
@@ -208,7 +208,7 @@ def main() -> int:
                         gc.set_threshold(700, thresholds[1], thresholds[2])
                     for max_seqs in (int(x) for x in a.max_seqs.split(",")):
                         r = offline(runner, a.requests, max_seqs, 1024, 1024, a.token_budget, gen, a.offline_cap_s,
-                                    gc_census=a.gc_census, chunked=not a.whole_prompts)
+                                    gc_census=a.gc_census, chunked=not (a.whole_prompts or mode == "whole"))
                         r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
                         res["offline"].append(r)
                         print("offline", r, flush=True)
