@@ -420,42 +420,51 @@ def profile_step(runner: ModelRunner, reqs: Reqs, batch: int, ctx: int, gen, pat
     return rows
 
 
-def profile_prefill(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, prompts: int = 1, top: int = 10) -> dict | list:
-    """One prefill step of `prompts` prompts of `prompt_len` tokens under torch.profiler: top
-    kernels (a list, for one prompt as before), or with several prompts a dict with the kernels,
-    the CUDA total and the step's wall time (median of 3 unprofiled runs)."""
-    from torch.profiler import ProfilerActivity, profile
+def prompt_plan(reqs: Reqs, gen, tag: str, prompts: int, prompt_len: int) -> tuple[pb.step.StepPlan, list[str]]:
+    """A plan of `prompts` new requests of `prompt_len` random tokens each (one prefill step)."""
+    plan = reqs.plan()
+    ids = [f"p{tag}-{j}" for j in range(prompts)]
+    for rid in ids:
+        plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (prompt_len,), generator=gen).tolist(),
+                              block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len,
+                              sampling=GREEDY)
+    return plan, ids
 
-    def step(tag: str) -> tuple[pb.step.StepPlan, list[str]]:
-        plan = reqs.plan()
-        ids = [f"profp{tag}-{j}" for j in range(prompts)]
-        for rid in ids:
-            plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (prompt_len,), generator=gen).tolist(),
-                                  block_ids=reqs.blocks(prompt_len + 1), num_scheduled_tokens=prompt_len,
-                                  sampling=GREEDY)
-        return plan, ids
 
-    def finish(ids):
-        fin = reqs.plan()
-        fin.finished_ids.extend(ids)
-        run(runner, fin)
-    plan, ids = step("p")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(runner, plan)
-    finish(ids)
-    avgs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-    rows = [{"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3} for e in avgs[:top]]
-    if prompts == 1:
-        return rows
+def finish(runner: ModelRunner, reqs: Reqs, ids: list[str]) -> None:
+    fin = reqs.plan()
+    fin.finished_ids.extend(ids)
+    run(runner, fin)
+
+
+def prefill_walls(runner: ModelRunner, reqs: Reqs, gen, prompts: int, prompt_len: int, n: int = 3) -> list[float]:
+    """Wall time (ms) of n standalone prefill steps, the device idle before and after each."""
     walls = []
-    for r in range(3):
-        plan, ids = step(f"w{r}")
+    for r in range(n):
+        plan, ids = prompt_plan(reqs, gen, f"w{r}", prompts, prompt_len)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         run(runner, plan)
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
-        finish(ids)
+        finish(runner, reqs, ids)
+    return walls
+
+
+def profile_prefill(runner: ModelRunner, reqs: Reqs, prompt_len: int, gen, prompts: int = 1, top: int = 10) -> dict | list:
+    """One prefill step of `prompts` prompts of `prompt_len` tokens under torch.profiler: top
+    kernels (a list, for one prompt as before), or with several prompts a dict with the kernels,
+    the CUDA total and the step's wall time (median of 3 unprofiled runs)."""
+    from torch.profiler import ProfilerActivity, profile
+    plan, ids = prompt_plan(reqs, gen, "rofp", prompts, prompt_len)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(runner, plan)
+    finish(runner, reqs, ids)
+    avgs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    rows = [{"name": e.key[:90], "calls": e.count, "cuda_ms": e.device_time_total / 1e3} for e in avgs[:top]]
+    if prompts == 1:
+        return rows
+    walls = prefill_walls(runner, reqs, gen, prompts, prompt_len)
     return {"prompts": prompts, "prompt_len": prompt_len, "kernels": rows,
             "cuda_ms_total": sum(e.device_time_total for e in avgs) / 1e3, "wall_ms_median": statistics.median(walls)}
 

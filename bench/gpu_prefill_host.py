@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from gpu_decode import GREEDY, Reqs, build_model, kv_runner, llama31_8b_config, run  # noqa: E402
+from gpu_decode import (Reqs, build_model, finish, kv_runner, llama31_8b_config, prefill_walls,  # noqa: E402
+                        prompt_plan, run)
 from services.worker.models.fp8 import quantize_layers  # noqa: E402
 
 
@@ -35,59 +36,37 @@ def main() -> int:
     reqs = Reqs(runner.num_blocks)
     gen = torch.Generator().manual_seed(0)
 
-    def step(tag: str, prompts: int = 8, n: int = 1024):
-        plan = reqs.plan()
-        ids = [f"h{tag}-{j}" for j in range(prompts)]
-        for rid in ids:
-            plan.new_requests.add(request_id=rid, token_ids=torch.randint(0, 128000, (n,), generator=gen).tolist(),
-                                  block_ids=reqs.blocks(n + 1), num_scheduled_tokens=n, sampling=GREEDY)
-        return plan, ids
-
-    def finish(ids):
-        fin = reqs.plan()
-        fin.finished_ids.extend(ids)
-        run(runner, fin)
-
     for i in range(3):   # warm-up: every kernel compiled, the allocator settled
-        p, ids = step(f"w{i}")
+        p, ids = prompt_plan(reqs, gen, f"hw{i}", 8, 1024)
         run(runner, p)
-        finish(ids)
-    walls = []
-    for i in range(3):
-        p, ids = step(f"t{i}")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run(runner, p)
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
-        finish(ids)
-    print("walls ms", [round(w, 1) for w in walls])
-    p, ids = step("s")
+        finish(runner, reqs, ids)
+    print("walls ms", [round(w, 1) for w in prefill_walls(runner, reqs, gen, 8, 1024)])
+    p, ids = prompt_plan(reqs, gen, "hs", 8, 1024)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     run(runner, p)
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    finish(ids)
+    finish(runner, reqs, ids)
     print("run() returned after ms", round((t1 - t0) * 1e3, 1), "then GPU done after", round((t2 - t0) * 1e3, 1))
-    p, ids = step("c")
+    p, ids = prompt_plan(reqs, gen, "hc", 8, 1024)
     torch.cuda.synchronize()
     pr = cProfile.Profile()
     pr.enable()
     run(runner, p)
     torch.cuda.synchronize()
     pr.disable()
-    finish(ids)
+    finish(runner, reqs, ids)
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
     print(s.getvalue()[:6000])
-    p, ids = step("k")
+    p, ids = prompt_plan(reqs, gen, "hk", 8, 1024)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run(runner, p)
         torch.cuda.synchronize()
-    finish(ids)
+    finish(runner, reqs, ids)
     ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                 key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in ev]

@@ -37,8 +37,8 @@ def freeze_startup_heap(log: logging.Logger | None = None) -> int:
     GEN0_THRESHOLD (the older ones' stay) -> how many objects are frozen in all."""
     gc.collect()
     gc.freeze()
-    _, t1, t2 = gc.get_threshold()
-    gc.set_threshold(max(GEN0_THRESHOLD, gc.get_threshold()[0]), t1, t2)
+    t0, t1, t2 = gc.get_threshold()
+    gc.set_threshold(max(GEN0_THRESHOLD, t0), t1, t2)
     n = gc.get_freeze_count()
     if log is not None:
         log.info("froze %d start-up objects out of the garbage collector's scans; first threshold %d",
