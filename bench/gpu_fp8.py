@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
+import gpu_decode  # noqa: E402
 from gpu_decode import (BS, COPY_TBPS_NOMINAL, Reqs, build_model, ceilings, decode_steps, kv_runner,  # noqa: E402
                         llama31_8b_config, mixed_parts, offline, profile_prefill, profile_step)
 from services.common.gc_heap import freeze_startup_heap  # noqa: E402
@@ -94,7 +95,10 @@ def main() -> int:
     p.add_argument("--weights", default="bf16,fp8")
     p.add_argument("--mixed", action="store_true", help="a mixed prefill/decode step against its parts")
     p.add_argument("--profile", action="store_true", help="per mode: the kernels of an eager decode step at batch "
-                   "256 and of a prefill step of 8 prompts of 1,024 tokens (torch.profiler)")
+                   "--profile-batch and of a prefill step of 8 prompts of 1,024 tokens (torch.profiler)")
+    p.add_argument("--block-size", type=int, default=BS, help="KV cache block size in tokens (the scheduler's "
+                   "--block-size; gpu_attn_decode_probe.py times the attention over 16, 32 and 64)")
+    p.add_argument("--profile-batch", type=int, default=256, help="--profile: the eager decode step's rows")
     p.add_argument("--gc-freeze", action="store_true", help="after the warm-up, gc_heap.freeze_startup_heap() "
                    "(freeze, first threshold widened) as every service does")
     p.add_argument("--whole-prompts", action="store_true", help="offline: admit whole prompts only (the loop "
@@ -121,6 +125,7 @@ def main() -> int:
                    "runner holds 16,384; vLLM's offline defaults on cards of 70 GiB and more, A100s aside: "
                    "16,384 tokens and 1,024 sequences a step)")
     a = p.parse_args()
+    gpu_decode.BS = a.block_size          # read by kv_runner and Reqs at call time
     if a.compile_log:
         import atexit
         from bench.compile_log import CompileLog
@@ -194,7 +199,8 @@ def main() -> int:
                     r = {"weights": weights, "kv_cache": kv_name, "fp8_mode": mode,
                          "prefill": profile_prefill(runner, Reqs(runner.num_blocks), 1024, gen, prompts=8, top=16)}
                     r["prefill"]["projection_tflops"] = 2 * 8 * 1024 * proj_params(cfg) / r["prefill"]["wall_ms_median"] / 1e9
-                    r["decode_b256_eager"] = profile_step(runner, Reqs(runner.num_blocks), 256, 1536, gen, None)
+                    r[f"decode_b{a.profile_batch}_eager"] = profile_step(runner, Reqs(runner.num_blocks),
+                                                                         a.profile_batch, 1536, gen, None)
                     res.setdefault("profile", []).append(r)
                     print("profile", json.dumps(r), flush=True)
                     save()

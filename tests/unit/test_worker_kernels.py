@@ -71,10 +71,13 @@ def test_paged_attention_matches_reference_on_ragged_batch(nh, kvh, dtype):
     assert rel_err(out, want) < TOL[dtype]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
-def test_a_mixed_step_in_two_launches_by_sequence_equals_one_launch(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,heads_first", [(torch.float32, False), (torch.float8_e4m3fn, False),
+                                                  (torch.float8_e4m3fn, True)])
+def test_a_mixed_step_in_two_launches_by_sequence_equals_one_launch(kv_dtype, heads_first, monkeypatch):
     """seq_ids: decodes (interleaved with prompt chunks, as the runner orders new requests before
-    cached ones) with decode tiles and KV splits, the chunks with prefill tiles, into one output."""
+    cached ones) with decode tiles and KV splits, the chunks with prefill tiles, into one output;
+    the same with the grid launched heads first (GRID_HEADS_FIRST)."""
+    monkeypatch.setattr(ka, "GRID_HEADS_FIRST", heads_first)
     rng = random.Random(7)
     torch.manual_seed(7)
     nh, kvh, d, bs, nb = 6, 2, 32, 16, 40
@@ -273,12 +276,15 @@ def test_write_kv_into_fp8_cache_equals_reference_quantization_bit_for_bit(dtype
         assert want[0].view(-1, kvh, d)[slots[0], 0, :4].float().tolist() == [448.0, 448.0, 448.0, -448.0]
 
 
-@pytest.mark.parametrize("bs,load_2d", [(8, "never"), (8, "always"), (12, "prefill")])
-def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs, load_2d, monkeypatch):
+@pytest.mark.parametrize("bs,load_2d,heads_first", [(8, "never", False), (8, "always", False), (12, "prefill", False),
+                                                   (8, "never", True)])
+def test_fp8_cache_keeps_v_transposed_per_block_where_the_block_size_allows(bs, load_2d, heads_first, monkeypatch):
     """An fp8 cache whose block size is a power of two stores V per block as [kvh, d, BS] (keys
     contiguous, kernels/attention.py); another block size keeps [BS, kvh, d]. The Triton store and
     the torch reference put the same bytes there, and attention over either layout, with stale
-    finite bytes in the blocks' unused tails, equals the reference."""
+    finite bytes in the blocks' unused tails, equals the reference; so does the grid launched
+    heads first (GRID_HEADS_FIRST)."""
+    monkeypatch.setattr(ka, "GRID_HEADS_FIRST", heads_first)
     rng = random.Random(bs)
     gen = torch.Generator().manual_seed(bs)
     nh, kvh, d, nb = 4, 2, 16, 20

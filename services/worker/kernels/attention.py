@@ -50,6 +50,10 @@ _LOG2E = 1.4426950408889634
 # tile has ~90x the shared-load bank conflicts there, ncu), but decode slower (b64 0.099 vs 0.085 ms;
 # the whole 8B model's b256 step 16.1 vs 14.4 ms); so 2D for prefill launches only.
 V_LOAD_2D = "prefill"
+# Grid order: False launches (seq, tiles, kv head), so programs running together read one KV head of
+# many sequences; True launches (kv head, tiles, seq), so a sequence's heads run side by side and
+# read neighbouring bytes of the same cache blocks (bench/gpu_attn_decode_probe.py times both).
+GRID_HEADS_FIRST = False
 FP8_E4M3_MAX = 448.0
 # KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -112,15 +116,19 @@ def _paged_attn_kernel(
     V_2D: tl.constexpr = False,           # with V_T: V_LOAD_2D's load (see there)
     DECODE: tl.constexpr = False,         # every sequence of the launch has one query token
     HAS_WINDOW: tl.constexpr = False,     # window > 0 (a branch on it inside the key loop costs)
+    HEADS_FIRST: tl.constexpr = False,    # grid (kvh, tiles, seqs) instead of (seqs, tiles, kvh)
 ):
     wait_prior(USE_PDL)
-    if HAS_SEQ_IDS:
-        seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int32)
+    if HEADS_FIRST:
+        seq = tl.program_id(2)
+        kvh = tl.program_id(0)
     else:
         seq = tl.program_id(0)
+        kvh = tl.program_id(2)
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + seq).to(tl.int32)
     tile = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
-    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)          # context length incl. this step's tokens
@@ -322,7 +330,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_ml = torch.empty(t, num_splits, nh, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    grid = (num_seqs, q_tiles * num_splits, kvh)
+    grid = (kvh, q_tiles * num_splits, num_seqs) if GRID_HEADS_FIRST else (num_seqs, q_tiles * num_splits, kvh)
     _paged_attn_kernel[grid](
         q, out, part_o, part_ml, kc, vc, block_tables, query_start_loc, seq_lens,
         seq_ids if seq_ids is not None else seq_lens,
@@ -334,6 +342,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
         V_T=v_t, V_2D=v_t and _v_load_2d(decode), DECODE=decode, HAS_WINDOW=bool(sliding_window),
+        HEADS_FIRST=GRID_HEADS_FIRST,
         num_warps=num_warps, num_stages=num_stages, **launch_args(q),
     )
     if num_splits > 1:
