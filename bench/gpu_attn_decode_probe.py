@@ -7,7 +7,9 @@ decode step's attention is ~60% of its time). One GPU, one run, at 256 and 512 r
   its block table, no arithmetic): the attention kernel cannot beat the last;
 - served: kernels/attention.paged_attention as served, then with the grid launched heads first
   (GRID_HEADS_FIRST: a sequence's 8 KV heads side by side), a tile sweep (keys per tile, warps,
-  stages), and caches of 32- and 64-token blocks (fewer, longer runs per head).
+  stages), and caches of 32- and 64-token blocks (fewer, longer runs per head);
+- tma: a decode-only kernel with one cache block per key tile brought in by the TMA (tensor
+  descriptors: one load per K and V tile, no per-thread addresses), for 32- and 64-token blocks.
 
 Every variant's output is compared with the served one (max abs diff).
 
@@ -28,7 +30,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from services.worker import attention as ref  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
 from services.worker.kernels import attention as ka  # noqa: E402
 
 NH, KVH, D, CTX = 32, 8, 128, 1536
@@ -76,6 +79,66 @@ def _gather_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, s_cb, s_cs, s_c
         acc_k ^= k
         acc_v ^= v
     tl.store(out_ptr + seq * 8 + kvh, tl.xor_sum(tl.xor_sum(acc_k, 1), 0) ^ tl.xor_sum(tl.xor_sum(acc_v, 1), 0))
+
+
+@triton.jit
+def _tma_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, lens_ptr, sm_scale_log2, stride_qt, stride_qh,
+                       stride_ot, stride_oh, s_bt, G: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
+                       D: tl.constexpr, KVH: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    """Decode attention over an fp8 cache with V transposed per block, one cache block per key
+    tile, K and V brought in by the TMA (one descriptor load each, no per-thread addresses):
+    K rows [BS, D] at (block * BS, kvh * D) of the cache as [slots, kvh * d]; V [D, BS] at
+    ((block * kvh_count + kvh) * D, 0) of V as [blocks * kvh * d, BS]."""
+    if HEADS_FIRST:
+        seq = tl.program_id(1)
+        kvh = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+    ctx = tl.load(lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    head = kvh * G + rows % G
+    row_ok = rows < G
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    cols = tl.arange(0, BS)
+    for j in range(tl.cdiv(ctx, BS)):
+        blk = tl.load(bt_ptr + seq * s_bt + j)
+        k = k_desc.load([blk * BS, kvh * D]).to(tl.float16)                 # [BS, D]
+        vt = v_desc.load([(blk * KVH + kvh) * D, 0]).to(tl.float16)         # [D, BS]
+        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        s = tl.where((j * BS + cols < ctx)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(vt))
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(o_ptr + seq * stride_ot + head[:, None] * stride_oh + dims[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def tma_decode(q, cache, tables, lens, heads_first: bool, warps: int, stages: int, out=None):
+    """_tma_decode_kernel over a contiguous fp8 cache [2, NB, BS, kvh, d] with V transposed."""
+    b, nh, d = q.shape
+    _, nb, bs, kvh, _ = cache.shape
+    out = torch.empty_like(q) if out is None else out
+    k2 = cache[0].view(nb * bs, kvh * d)
+    v2 = cache[1].view(nb * kvh * d, bs)
+    k_desc = TensorDescriptor(k2, list(k2.shape), [kvh * d, 1], [bs, d])
+    v_desc = TensorDescriptor(v2, list(v2.shape), [bs, 1], [d, bs])
+    g = nh // kvh
+    grid = (kvh, b) if heads_first else (b, kvh)
+    _tma_decode_kernel[grid](q, out, k_desc, v_desc, tables, lens, d ** -0.5 * 1.4426950408889634,
+                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+                             G=g, BLOCK_M=max(16, triton.next_power_of_2(g)), BS=bs, D=d, KVH=kvh,
+                             HEADS_FIRST=heads_first, num_warps=warps, num_stages=stages)
+    return out
 
 
 def attn_inputs(b: int, bs: int, seed: int = 0):
@@ -167,6 +230,10 @@ def run(res: dict, batches, block_sizes) -> None:
                 for hf in (False, True):
                     rec(f"served{'_hf' if hf else ''}_n{bn}_w{w}_s{st}",
                         lambda: served(q, cache, tables, qsl, lens, hf, block_n=bn, num_warps=w, num_stages=st))
+            if bs >= 32:
+                for hf in (False, True):
+                    for w, st in ((2, 4), (2, 6), (4, 4)):
+                        rec(f"tma{'_hf' if hf else ''}_w{w}_s{st}", lambda: tma_decode(q, cache, tables, lens, hf, w, st))
             res["decode"][f"b{b}_bs{bs}"] = rows
             del cache, tables
             torch.cuda.empty_cache()
