@@ -116,7 +116,9 @@ def main() -> int:
                         "2,048: elementwise.SILU_FP8_CONFIG), exact (fused, SiLU with exp and a division and "
                         "activations quantised by division: elementwise.FAST_SILU, fp8.RECIPROCAL_QUANT off), gc700 "
                         "(fused, the offline runs with the garbage collector's default first threshold, not "
-                        "gc_heap.GEN0_THRESHOLD), whole (fused, the offline runs admitting whole prompts only)")
+                        "gc_heap.GEN0_THRESHOLD), whole (fused, the offline runs admitting whole prompts only), "
+                        "heads_first / seqs_first (fused, the attention grid launched with a sequence's KV heads "
+                        "side by side or not: kernels/attention.GRID_HEADS_FIRST)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
@@ -149,6 +151,7 @@ def main() -> int:
     offline_runs = [tuple(x.split(":")) + (("fused",) if x.count(":") == 1 else ()) for x in a.offline.split(",") if x]
     silu_default = elementwise.SILU_FP8_CONFIG
     v2d_default = kernels_attention.V_LOAD_2D
+    hf_default = kernels_attention.GRID_HEADS_FIRST
     for weights in a.weights.split(","):
         model = build_model(cfg, 4096)
         if weights == "fp8":
@@ -174,6 +177,7 @@ def main() -> int:
                 elementwise.FAST_SILU = fp8_kernels.RECIPROCAL_QUANT = mode != "exact"
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
+                kernels_attention.GRID_HEADS_FIRST = mode == "heads_first" or (hf_default and mode != "seqs_first")
                 if mode in ("silu_whole", "silu_chunks"):
                     elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8, 1)
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
@@ -223,6 +227,7 @@ def main() -> int:
                 llama_triton.FUSED_FP8 = pdl.ENABLED = ref_attention.V_TRANSPOSE_FP8 = fp8_kernels.FAST_ACCUM = True
                 elementwise.SILU_FP8_CONFIG = silu_default
                 kernels_attention.V_LOAD_2D = v2d_default
+                kernels_attention.GRID_HEADS_FIRST = hf_default
                 del runner
                 torch.cuda.empty_cache()
         del model
