@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import SeqSchedule
-from services.worker.gpu_staging import Staging, fill_tables
+from services.worker.gpu_staging import Staging, copy_i32, fill_tables
 from services.worker.sampling import to_device
 from services.worker.kernels.attention import decode_splits
 from services.worker.models.llama import LlamaModel
@@ -60,6 +60,7 @@ class GpuExecutor:
         self.qsl = self.i32[:s + 1]
         self.lens = self.i32[s + 1:2 * s + 1]
         self.tables = self.i32[2 * s + 1:].view(s, mb)
+        self.packed_tables = torch.zeros(s * mb, dtype=torch.int32, device=dev)   # gpu_staging.copy_i32
         # Pinned staging so the copies are asynchronous (CPU runs, under the Triton interpreter in
         # tests, use plain memory); two sets, used by alternate steps.
         pin = dev.type == "cuda"
@@ -104,8 +105,7 @@ class GpuExecutor:
             st.n64[4 * toks:4 * toks + n_ids] = seq_order
         # Contiguous prefixes: pinned -> device stays asynchronous.
         self.i64[:4 * toks + n_ids].copy_(st.h64[:4 * toks + n_ids], non_blocking=True)
-        used32 = 2 * self.max_seqs + 1 + rows * self.max_blocks
-        self.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
+        copy_i32(self, st, rows, bs)
         st.record()
         return toks
 

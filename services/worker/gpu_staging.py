@@ -48,9 +48,30 @@ def close_layout(ex, st: "Staging", n: int, b: int, q: int) -> None:
     st.n_qsl[:b + 1] = np.arange(b + 1) * q
     t = b * q
     ex.i64[:4 * t].copy_(st.h64[:4 * t], non_blocking=True)
-    used32 = 2 * ex.max_seqs + 1 + b * ex.max_blocks
-    ex.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
+    copy_i32(ex, st, b, bs=ex.block_size)
     st.record()
+
+
+def copy_i32(ex, st: "Staging", rows: int, bs: int) -> None:
+    """Query starts, context lengths and the first `rows` block-table rows to the device
+    (asynchronous, stream-ordered). The tables' row stride is the longest model length's block
+    count (CUDA graphs read them with that stride), e.g. 8,192 blocks for 131,072 tokens: 16 MiB of
+    a 512-row step where the contexts need a few hundred KiB. So only the columns this step's
+    longest context needs travel, packed, and a device-side copy spreads them into the rows
+    (columns past a row's context are never read)."""
+    s, mb = ex.max_seqs, ex.max_blocks
+    lens = st.n_lens[:rows]
+    width = -(-int(lens.max()) // bs) if rows else 0
+    if 2 * width > mb:   # most of the row is in use: one copy of the whole prefix
+        used32 = 2 * s + 1 + rows * mb
+        ex.i32[:used32].copy_(st.h32[:used32], non_blocking=True)
+        return
+    ex.i32[:2 * s + 1].copy_(st.h32[:2 * s + 1], non_blocking=True)
+    if width:
+        n = rows * width
+        st.n_packed[:n].reshape(rows, width)[:] = st.n_tables[:rows, :width]
+        ex.packed_tables[:n].copy_(st.h_packed[:n], non_blocking=True)
+        ex.tables[:rows, :width].copy_(ex.packed_tables[:n].view(rows, width))
 
 
 class Staging:
@@ -65,6 +86,9 @@ class Staging:
         self.n_qsl = n32v[:s + 1]
         self.n_lens = n32v[s + 1:2 * s + 1]
         self.n_tables = n32v[2 * s + 1:].reshape(s, max_blocks)
+        # The tables' used columns packed row after row (copy_i32).
+        self.h_packed = torch.zeros(s * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.n_packed = self.h_packed.numpy()
         # Per table row: (the block-id list it was filled from, how many blocks are written).
         self.row_owner: list[tuple[list | None, int]] = [(None, 0)] * s
         self.event = torch.cuda.Event() if pin else None
