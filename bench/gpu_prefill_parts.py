@@ -6,8 +6,7 @@ bench/results/gpu_fp8_v2d_h100.json) had the GEMMs at ~1.4 PFLOP/s but SiLU·mul
 
 - silu_mul with FP8 output (the gate_up product's consumer): (BLOCK, warps[, ROWS]) of the
   program; BLOCK >= 14,336 holds a row whole (one read), else the rows are walked twice; ROWS rows
-  a program share each chunk's column scales; split_BLOCKxWARPS: each row over programs of BLOCK
-  columns in two launches (elementwise.SILU_SPLIT_FP8, served up to its row count);
+  a program share each chunk's column scales;
   Each under the served math and with parts of it undone (MATHS: SiLU's exp and division instead
   of the MUFU approximations, elementwise.FAST_SILU; activations quantised by division instead of
   by the row's reciprocal, fp8.RECIPROCAL_QUANT);
@@ -45,8 +44,6 @@ from services.worker.kernels.qkv_prep import qkv_prep_  # noqa: E402
 from services.worker.models.fp8 import quantize_weight  # noqa: E402
 
 SILU_CONFIGS = [(2048, 16), (2048, 8), (16384, 32), (4096, 16), (2048, 16, 2)]
-# elementwise.SILU_SPLIT_FP8's (BLOCK, warps): each row over programs of BLOCK columns, two launches
-SILU_SPLITS = [(2048, 4), (1024, 4), (4096, 8), (2048, 8), (1024, 2)]
 # (name, elementwise.FAST_SILU, fp8.RECIPROCAL_QUANT): the served math, and each part of it undone
 MATHS = [("", True, True), ("exact", False, False), ("exact_silu", False, True), ("div_quant", True, False)]
 WIDTH, NH, KVH, D, BS = 14336, 32, 8, 128, 16
@@ -82,22 +79,6 @@ def silu_rows(t: int, bw: float, g) -> dict:
                     rows[key] = {"us": us, "over_floor": us / floor_us, "equal_to_served": same}
                 except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run is a result
                     rows[key] = {"error": repr(exc)[:200]}
-                print("silu", t, key, rows[key], flush=True)
-            if math:
-                continue
-            served_split = ke.SILU_SPLIT_FP8
-            for blk, w in SILU_SPLITS:   # rows split over programs at any row count (two launches)
-                key = f"split_{blk}x{w}"
-                ke.SILU_SPLIT_FP8 = (1 << 30, blk, w)
-                try:
-                    q, s = ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True)
-                    same = bool(torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s))
-                    us = timed(lambda: ke.silu_mul(x, in_scales=(rs, cs), fp8_out=True))
-                    rows[key] = {"us": us, "over_floor": us / floor_us, "equal_to_served": same}
-                except Exception as exc:  # noqa: BLE001
-                    rows[key] = {"error": repr(exc)[:200]}
-                finally:
-                    ke.SILU_SPLIT_FP8 = served_split
                 print("silu", t, key, rows[key], flush=True)
     finally:
         _math(True, True)

@@ -70,23 +70,6 @@ def test_silu_mul_scales_its_input_and_quantises_a_whole_row(config):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("split", [(1024, 512, 4), (1024, 2048, 4), None])
-def test_silu_mul_split_over_row_parts_gives_the_one_kernel_bytes(split, monkeypatch):
-    """Decode-sized steps split each row over programs (two launches: products and part maxima,
-    then the parts quantised with the row's scale): five parts with a ragged last one, two, and
-    the one-kernel path; all equal to the chunked one-kernel path and to quantising the product."""
-    monkeypatch.setattr(ke, "SILU_SPLIT_FP8", split)
-    raw = torch.randn(4, 2 * 2500, generator=G) * 200
-    raw[2, :2500] = 0.0          # a row of zeros: scale 1
-    rs, cs = scales(4, 5000)
-    got = ke.silu_mul(raw, in_scales=(rs, cs), fp8_out=True)
-    same_fp8(got, ke.silu_mul(raw, in_scales=(rs, cs), fp8_out=True, fp8_config=(2048, 8)))
-    same_fp8(got, quantize_rows(ke.silu_mul(raw * rs * cs)))
-    assert got[1][2].item() == 1.0
-    plain = torch.randn(3, 2 * 700, generator=G)
-    same_fp8(ke.silu_mul(plain, fp8_out=True), quantize_rows(ke.silu_mul(plain)))
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_qkv_prep_scales_every_head_before_rope_and_the_cache_write(cache_dtype):
     nh, kvh, d, t = 4, 2, 8, 3

@@ -205,50 +205,6 @@ def _silu_mul_kernel(x_ptr, out_ptr, rs_ptr, cs_ptr, qs_ptr, n_rows, n_cols, str
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _silu_mul_part_kernel(x_ptr, y_ptr, amax_ptr, rs_ptr, cs_ptr, n_cols, stride_x, n_parts,
-                          IN_SCALED: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-                          FAST: tl.constexpr = True):
-    """Split rows, first half: silu(gate) * up of one row's BLOCK columns, stored in x's dtype
-    (as the one-kernel path rounds it) with the part's absolute maximum."""
-    wait_prior(USE_PDL)
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    part = tl.program_id(1)
-    cols = part * BLOCK + tl.arange(0, BLOCK)
-    ok = (cols < n_cols)[None, :]
-    y = _silu_tile(x_ptr, rs_ptr, cs_ptr, rows, stride_x, n_cols, cols, ok, IN_SCALED, FAST)
-    y = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=ok)
-    tl.store(amax_ptr + rows * n_parts + part, tl.max(tl.where(ok, tl.abs(y.to(tl.float32)), 0.0), 1))
-
-
-@triton.jit
-def _quant_parts_kernel(y_ptr, amax_ptr, out_ptr, qs_ptr, n_cols, n_parts, stride_out,
-                        BLOCK: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr = False,
-                        RCP: tl.constexpr = True):
-    """Split rows, second half: the row's scale from its parts' maxima, its BLOCK columns
-    quantised with it (part 0 stores the scale)."""
-    wait_prior(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    pm = tl.arange(0, PARTS)
-    scale = row_scale(tl.max(tl.load(amax_ptr + row * n_parts + pm, mask=pm < n_parts, other=0.0), 0))
-    if part == 0:
-        tl.store(qs_ptr + row, scale)
-    cols = part * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    y = tl.load(y_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-    q = quantize_act(y, scale, inverse_scale(scale), RCP)
-    tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-# With fp8_out, steps of at most SILU_SPLIT_FP8[0] rows (decode batches) split each row over
-# programs of SILU_SPLIT_FP8[1] columns (SILU_SPLIT_FP8[2] warps) in two launches: the products in
-# the model's dtype with each part's maximum, then the parts quantised with their row's scale. One
-# program a row leaves most SMs idle at a few hundred rows. None: one launch at every size.
-SILU_SPLIT_FP8: tuple[int, int, int] | None = (1024, 2048, 4)
-
-
 # fp8_out: (BLOCK, num_warps[, ROWS]) of the program; BLOCK >= the row's width holds a row whole.
 # H100, 8B shape (14,336 wide, bench/gpu_silu_sweep.py -> bench/results/gpu_silu_sweep.json):
 # chunks of 2,048 with 16 warps 17.4 us at 256 rows and 10.2 at 64, against 19.3 / 12.4 with 8
@@ -269,10 +225,9 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I].
 
     in_scales (row [T, 1], col [2I] float32): x is an unscaled FP8 product (x * row * col meant).
-    fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token: up to
-    SILU_SPLIT_FP8's rows (without fp8_config) in two launches over row parts, else a program takes
+    fp8_out: returns (e4m3 [T, I], float32 scales [T, 1]), quantised per token (a program takes
     ROWS rows and walks them twice: their maxima, then the values; fp8_config (BLOCK, warps[,
-    ROWS]), else SILU_FP8_CONFIG's. Every path gives the same bytes."""
+    ROWS]), else SILU_FP8_CONFIG's)."""
     t, two_i = x.shape
     i = two_i // 2
     if fp8_out:
@@ -289,18 +244,6 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
         block, warps, rows = cfg[0], cfg[1], cfg[2] if len(cfg) > 2 else 1
     block = min(block, triton.next_power_of_2(i))
     rs, cs = in_scales if in_scales is not None else (x, x)
-    split = SILU_SPLIT_FP8 if fp8_config is None else None
-    if fp8_out and split is not None and t <= split[0]:
-        block, warps = min(split[1], triton.next_power_of_2(i)), split[2]
-        parts = triton.cdiv(i, block)
-        y = torch.empty(t, i, dtype=x.dtype, device=x.device)
-        amax = torch.empty(t, parts, dtype=torch.float32, device=x.device)
-        _silu_mul_part_kernel[(t, parts)](x, y, amax, rs, cs, i, x.stride(0), parts, IN_SCALED=in_scales is not None,
-                                          BLOCK=block, FAST=FAST_SILU, num_warps=warps, **launch_args(x))
-        _quant_parts_kernel[(t, parts)](y, amax, out, qs, i, parts, out.stride(0), BLOCK=block,
-                                        PARTS=triton.next_power_of_2(parts), RCP=fp8_kernels.RECIPROCAL_QUANT,
-                                        num_warps=warps, **launch_args(x))
-        return out, qs
     grid = (triton.cdiv(t, rows), 1) if fp8_out else (t, triton.cdiv(i, block))
     _silu_mul_kernel[grid](x, out, rs, cs, qs if fp8_out else x, t, i, x.stride(0), out.stride(0),
                            IN_SCALED=in_scales is not None, OUT_FP8=fp8_out, BLOCK=block,
