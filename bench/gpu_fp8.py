@@ -118,8 +118,7 @@ def main() -> int:
                         "(fused, the offline runs with the garbage collector's default first threshold, not "
                         "gc_heap.GEN0_THRESHOLD), whole (fused, the offline runs admitting whole prompts only), "
                         "heads_first / seqs_first (fused, the attention grid launched with a sequence's KV heads "
-                        "side by side or not: kernels/attention.GRID_HEADS_FIRST), silu_one (fused, SiLU·mul in one "
-                        "launch at every row count: elementwise.SILU_SPLIT_FP8 off)")
+                        "side by side or not: kernels/attention.GRID_HEADS_FIRST)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
@@ -153,7 +152,6 @@ def main() -> int:
     silu_default = elementwise.SILU_FP8_CONFIG
     v2d_default = kernels_attention.V_LOAD_2D
     hf_default = kernels_attention.GRID_HEADS_FIRST
-    split_default = elementwise.SILU_SPLIT_FP8
     for weights in a.weights.split(","):
         model = build_model(cfg, 4096)
         if weights == "fp8":
@@ -180,7 +178,6 @@ def main() -> int:
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
                 kernels_attention.GRID_HEADS_FIRST = mode == "heads_first" or (hf_default and mode != "seqs_first")
-                elementwise.SILU_SPLIT_FP8 = None if mode == "silu_one" else split_default
                 if mode in ("silu_whole", "silu_chunks"):
                     elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8, 1)
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
@@ -231,7 +228,6 @@ def main() -> int:
                 elementwise.SILU_FP8_CONFIG = silu_default
                 kernels_attention.V_LOAD_2D = v2d_default
                 kernels_attention.GRID_HEADS_FIRST = hf_default
-                elementwise.SILU_SPLIT_FP8 = split_default
                 del runner
                 torch.cuda.empty_cache()
         del model

@@ -50,10 +50,12 @@ _LOG2E = 1.4426950408889634
 # tile has ~90x the shared-load bank conflicts there, ncu), but decode slower (b64 0.099 vs 0.085 ms;
 # the whole 8B model's b256 step 16.1 vs 14.4 ms); so 2D for prefill launches only.
 V_LOAD_2D = "prefill"
-# Grid order: False launches (seq, tiles, kv head), so programs running together read one KV head of
-# many sequences; True launches (kv head, tiles, seq), so a sequence's heads run side by side and
-# read neighbouring bytes of the same cache blocks (bench/gpu_attn_decode_probe.py times both).
-GRID_HEADS_FIRST = False
+# Grid order: True launches (kv head, tiles, seq), so a sequence's heads run side by side and read
+# neighbouring bytes of the same cache blocks; False launches (seq, tiles, kv head), so programs
+# running together read one KV head of many sequences. H100, fp8 cache, context 1,536
+# (bench/gpu_attn_decode_probe.py -> bench/results/gpu_attn_decode_probe_h100.json): b512 0.5454 vs
+# 0.5504 ms, b256 0.2833 vs 0.2853; a bare gather read of the same bytes takes 0.523-0.535 at b512.
+GRID_HEADS_FIRST = True
 FP8_E4M3_MAX = 448.0
 # KV cache dtypes the kernels store and read; fp8 is e4m3fn (no inf, max 448), as in vLLM.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
