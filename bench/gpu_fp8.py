@@ -123,7 +123,8 @@ def main() -> int:
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
     p.add_argument("--max-seqs", default="256", help="comma-separated: one offline run per value (the most requests in a step)")
-    p.add_argument("--token-budget", type=int, default=8192, help="offline: the most tokens in a step (the "
+    p.add_argument("--token-budget", default="8192", help="offline, comma-separated: the most tokens in a step, "
+                   "one run per value and --max-seqs value (the "
                    "runner holds 16,384; vLLM's offline defaults on cards of 70 GiB and more, A100s aside: "
                    "16,384 tokens and 1,024 sequences a step)")
     a = p.parse_args()
@@ -216,8 +217,9 @@ def main() -> int:
                         freeze_startup_heap()
                     if mode == "gc700":   # the collector's default first threshold, as before gc_heap's
                         gc.set_threshold(700, thresholds[1], thresholds[2])
-                    for max_seqs in (int(x) for x in a.max_seqs.split(",")):
-                        r = offline(runner, a.requests, max_seqs, 1024, 1024, a.token_budget, gen, a.offline_cap_s,
+                    for max_seqs, budget in ((int(x), int(y)) for x in a.max_seqs.split(",")
+                                             for y in a.token_budget.split(",")):
+                        r = offline(runner, a.requests, max_seqs, 1024, 1024, budget, gen, a.offline_cap_s,
                                     gc_census=a.gc_census, chunked=not (a.whole_prompts or mode == "whole"))
                         r.update(weights=weights, kv_cache=kv_name, fp8_mode=mode)
                         res["offline"].append(r)
