@@ -14,6 +14,9 @@
 #            ($FP8_ARGS appended)
 #   fp8attn: bench/gpu_fp8_vt_probe.py (fp8 attention, V transposed vs rows vs the kernel before)
 #            and bench/gpu_silu_sweep.py
+#   decode512: bench/gpu_decode_host.py (a pipelined 512-row decode step beyond its replay: host time,
+#            GPU idle gaps; 256 rows on a card under 100 GB) and bench/gpu_attn_decode_probe.py at 512
+#            rows (the attention against a streaming read and a gather read of its bytes)
 # Needs carried .whl/ (grpcio/protobuf for the generated stubs, pyzmq, gguf, prometheus_client)
 # and services/common/gen (generated protobuf code, git-ignored).
 set -o pipefail
@@ -53,6 +56,12 @@ for stage in "$@"; do
     fp8attn)
       timeout ${FP8ATTN_TIMEOUT:-240} python3 bench/gpu_fp8_vt_probe.py --out $OUT/gpu_fp8_vt_probe.json 2>&1 | tail -40 | tee $OUT/fp8attn.log
       timeout 120 python3 bench/gpu_silu_sweep.py --out $OUT/gpu_silu_sweep.json 2>&1 | tail -16 | tee -a $OUT/fp8attn.log ;;
+    decode512)
+      KV=$(python3 -c "import torch; print(100 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 40)")
+      B=$([ "$KV" = 100 ] && echo 512 || echo 256)
+      timeout ${HOST_TIMEOUT:-150} python3 bench/gpu_decode_host.py --batch $B --kv-gib $((KV / 2 + 6)) 2>&1 | grep -v Warn | tee $OUT/decode_host.txt | head -60
+      timeout ${PROBE_TIMEOUT:-150} python3 bench/gpu_attn_decode_probe.py --batches 512 --block-sizes 16 --out $OUT/gpu_attn_decode_probe.json 2>&1 \
+        | grep -v Warn | tail -40 | tee $OUT/attn_probe.log ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
