@@ -8,10 +8,12 @@
 #            one call, .gpuc2/part2 on the next while the machine is warm)
 #   peer   : the transformers peer on the bench's weights and workload
 #   fp8    : issue 19's engine numbers in one call: bench/gpu_fp8.py, FP8 weights and KV, decode
-#            b1/b64/b256 and offline 1k/1k for the served forward, its offline loop chunking prompts
-#            as the scheduler does and admitting whole prompts (`whole`, every number before
-#            2026-12-06), 256 and (on an H200) 512 requests at once, every Triton compile logged
-#            ($FP8_ARGS appended)
+#            b1/b256(/b512 on an H200) for the served forward and with the attention grid launched
+#            seqs first (`seqs_first`, the order before 2026-12-06), the eager decode step's kernels
+#            at the offline batch, and offline 1k/1k at token budgets 8,192 and 16,384, its loop
+#            chunking prompts as the scheduler does and admitting whole prompts (`whole`, every
+#            number before 2026-12-06), 512 requests at once on an H200 (256 on an H100), every
+#            Triton compile logged ($FP8_ARGS appended)
 #   fp8attn: bench/gpu_fp8_vt_probe.py (fp8 attention, V transposed vs rows vs the kernel before)
 #            and bench/gpu_silu_sweep.py
 #   decode512: bench/gpu_decode_host.py (a pipelined 512-row decode step beyond its replay: host time,
@@ -49,9 +51,11 @@ for stage in "$@"; do
       timeout ${PEER_TIMEOUT:-240} python3 bench/gpu_decode.py --peer --out $OUT/peer.json ${PEER_ARGS:-} 2>&1 | tail -20 | tee $OUT/peer.log ;;
     fp8)
       KV=$(python3 -c "import torch; print(100 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 40)")
-      SEQS=$([ "$KV" = 100 ] && echo 256,512 || echo 256)    # an H200 holds all 512 requests at once
-      timeout ${FP8_TIMEOUT:-560} python3 bench/gpu_fp8.py --weights fp8 --modes fused,whole --kv fp8 --kv-gib $KV \
-        --offline fp8:fp8,fp8:fp8:whole --max-seqs $SEQS --gc-freeze --compile-log $OUT/compiles.json --out $OUT/gpu_fp8.json \
+      SEQS=$([ "$KV" = 100 ] && echo 512 || echo 256)    # an H200 holds all 512 requests at once
+      DB=$([ "$KV" = 100 ] && echo 1,256,512 || echo 1,256)
+      timeout ${FP8_TIMEOUT:-560} python3 bench/gpu_fp8.py --weights fp8 --modes fused,whole,seqs_first --kv fp8 --kv-gib $KV \
+        --offline fp8:fp8,fp8:fp8:whole --max-seqs $SEQS --token-budget 8192,16384 --decode-batches $DB \
+        --profile --profile-batch $SEQS --gc-freeze --compile-log $OUT/compiles.json --out $OUT/gpu_fp8.json \
         ${FP8_ARGS:-} 2>&1 | grep -v Warn | tail -30 | tee $OUT/fp8.log ;;
     fp8attn)
       timeout ${FP8ATTN_TIMEOUT:-240} python3 bench/gpu_fp8_vt_probe.py --out $OUT/gpu_fp8_vt_probe.json 2>&1 | tail -40 | tee $OUT/fp8attn.log
