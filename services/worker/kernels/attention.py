@@ -332,7 +332,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_ml = torch.empty(t, num_splits, nh, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    grid = (kvh, q_tiles * num_splits, num_seqs) if GRID_HEADS_FIRST else (num_seqs, q_tiles * num_splits, kvh)
+    heads_first = GRID_HEADS_FIRST and num_seqs <= 65535          # a grid's z extent is at most 65,535
+    grid = (kvh, q_tiles * num_splits, num_seqs) if heads_first else (num_seqs, q_tiles * num_splits, kvh)
     _paged_attn_kernel[grid](
         q, out, part_o, part_ml, kc, vc, block_tables, query_start_loc, seq_lens,
         seq_ids if seq_ids is not None else seq_lens,
@@ -344,7 +345,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
         FP16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), HAS_SEQ_IDS=seq_ids is not None,
         V_T=v_t, V_2D=v_t and _v_load_2d(decode), DECODE=decode, HAS_WINDOW=bool(sliding_window),
-        HEADS_FIRST=GRID_HEADS_FIRST,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages, **launch_args(q),
     )
     if num_splits > 1:
