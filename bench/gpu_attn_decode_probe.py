@@ -14,7 +14,7 @@ decode step's attention is ~60% of its time). One GPU, one run, at 256 and 512 r
 Every variant's output is compared with the served one (max abs diff).
 
   python3 bench/gpu_attn_decode_probe.py --out $OUT/gpu_attn_decode_probe.json
-  ncu --section SpeedOfLight --section Occupancy ... python3 bench/gpu_attn_decode_probe.py --ncu
+  ncu --profile-from-start off --section SpeedOfLight ... python3 bench/gpu_attn_decode_probe.py --ncu
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -32,11 +33,20 @@ import triton.language as tl  # noqa: E402
 
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+from gpu_fp8_vt_probe import profile_once  # noqa: E402
 from services.worker.kernels import attention as ka  # noqa: E402
 
 NH, KVH, D, CTX = 32, 8, 128, 1536
 TILES = [(64, 2, 6), (64, 2, 4), (64, 2, 8), (64, 4, 4), (64, 4, 6), (32, 2, 6), (32, 4, 6), (128, 2, 3),
          (128, 4, 3), (128, 4, 4)]          # (keys per tile, warps, stages); the first is the served default
+
+
+@triton.jit
+def _seq_and_head(HEADS_FIRST: tl.constexpr):
+    """This program's (sequence, KV head) on a (kvh, seqs) grid, or a (seqs, kvh) one."""
+    if HEADS_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
@@ -54,12 +64,7 @@ def _gather_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, s_cb, s_cs, s_c
                         BS: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """The decode attention's reads with int32 words (K: a 128-byte row per key; V: a head's
     transposed block, 128 * BS bytes), xor-folded so nothing is optimised away."""
-    if HEADS_FIRST:
-        seq = tl.program_id(1)
-        kvh = tl.program_id(0)
-    else:
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
+    seq, kvh = _seq_and_head(HEADS_FIRST)
     ctx = tl.load(lens_ptr + seq)
     cols = tl.arange(0, BLOCK_N)
     w = tl.arange(0, 32)
@@ -89,12 +94,7 @@ def _tma_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, lens_ptr, sm_scale_
     tile, K and V brought in by the TMA (one descriptor load each, no per-thread addresses):
     K rows [BS, D] at (block * BS, kvh * D) of the cache as [slots, kvh * d]; V [D, BS] at
     ((block * kvh_count + kvh) * D, 0) of V as [blocks * kvh * d, BS]."""
-    if HEADS_FIRST:
-        seq = tl.program_id(1)
-        kvh = tl.program_id(0)
-    else:
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
+    seq, kvh = _seq_and_head(HEADS_FIRST)
     ctx = tl.load(lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     head = kvh * G + rows % G
@@ -246,14 +246,7 @@ def run_ncu() -> None:
     out = torch.empty(512 * 8, dtype=torch.int32, device="cuda")
     fns = [lambda: served(q, cache, tables, qsl, lens), lambda: served(q, cache, tables, qsl, lens, True),
            lambda: gather_read(cache, tables, lens, False, 64, 2, 6, out)]
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(fns)
 
 
 def main() -> int:
