@@ -122,7 +122,9 @@ class GpuExecutor:
     def run(self, ids: list[int], positions: list[int], seqs: list[SeqSchedule],
             sample_rows: list[int], src: list[int] | None = None,
             keep_hidden: bool = False, scratch: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One step -> (float32 logits [len(sample_rows), V] of the rows that sample (None: none),
+        """One step -> (logits [len(sample_rows), V] of the rows that sample (None: none): float32,
+        or the model's dtype from a decode graph (widening 512 x 128k logits cost a bf16 step
+        ~0.1 ms; sampling.sample_async widens them where it must),
         the final hidden states [T, H] of every row when `keep_hidden` (prompt logprobs read
         them; such a step runs eagerly), else None). Nothing waits for the device. `src` (one per
         token, -1: use ids) points tokens at the previous step's sampled ids in prev_tokens (see
@@ -177,18 +179,19 @@ class GpuExecutor:
                               self._row(3, t) if use_src else None, self.prev_tokens)
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture forward + logits of a decode step of b rows (inputs already staged)."""
+        """Capture forward + logits (the model's dtype) of a decode step of b rows (inputs already
+        staged)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
             for _ in range(2):
-                compute_logits_triton(self.model, self._forward(b, b))
+                compute_logits_triton(self.model, self._forward(b, b), as_float=False)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = compute_logits_triton(self.model, self._forward(b, b))
+            logits = compute_logits_triton(self.model, self._forward(b, b), as_float=False)
         self.graphs[b] = (graph, logits)
         log.debug("captured decode CUDA graph for batch %d", b)
         return graph, logits

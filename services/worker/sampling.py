@@ -199,11 +199,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     return sample_async(logits, rows, eos_token_ids).result()
 
 
+def _argmax_only(row: SampleRow) -> bool:
+    """The row's token is the argmax of the raw logits: argmax is the same over bf16 logits as over
+    their (exact) float32 widening, so such rows need no widening."""
+    cfg = row.cfg
+    return (cfg.greedy and cfg.logprobs is None and not cfg.logit_bias and not cfg.has_penalties
+            and (row.num_output_tokens >= cfg.min_tokens or row.grammar_stops))
+
+
 def sample_async(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
                  out: torch.Tensor | None = None, bitmask: torch.Tensor | None = None) -> SampleHandle:
-    """Enqueue sampling of logits [N, V] float32 (modified in place). `out` ([N] long on the
+    """Enqueue sampling of logits [N, V] (float32, modified in place; another dtype, a decode
+    graph's, is widened first unless every row takes the plain argmax). `out` ([N] long on the
     logits' device) also receives the sampled ids there, for the next step's inputs. `bitmask`:
     the structured-output masks of the rows with a mask_row (apply_bitmask)."""
+    if logits.dtype != torch.float32 and (bitmask is not None or not all(map(_argmax_only, rows))):
+        logits = logits.float()    # a decode graph's bf16 logits: exact, processors run in float32
     n = logits.shape[0]
     dev = logits.device
     # index_select / index_copy_ with index tensors: list indexing is slow on CPU.

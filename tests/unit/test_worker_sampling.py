@@ -120,3 +120,21 @@ def test_sampling_params_from_proto_apply_defaults_and_reject_nonsense():
                 dict(logit_bias={V + 3: 1.0})):
         with pytest.raises(SamplingRuleError):
             sampling_from_proto(pb.common.SamplingParams(**bad), V)
+
+
+def test_bf16_logits_of_a_decode_graph_sample_as_their_float32_widening():
+    """Decode graphs hand the sampler bf16 logits: plain greedy rows take their argmax as is; any
+    row that needs more (a bias, logprobs) makes the whole batch run on the exact float32 copy."""
+    x = torch.zeros(3, V, dtype=torch.bfloat16)
+    x[:, 3] = x[:, 4] = 1.0                       # a tie: argmax takes the first
+    x[2, 9] = 2.5
+    plain = sample(x.clone(), [row() for _ in range(3)])
+    assert [o.token_id for o in plain] == [3, 3, 9]
+    # +0.001 vanishes in bf16 (1.0 + 0.001 rounds to 1.0); in float32 it breaks the tie.
+    before = x.clone()
+    biased = sample(x, [row(), row(logit_bias=((4, 0.001),)), row(logprobs=1)])
+    assert [o.token_id for o in biased] == [3, 4, 9]
+    assert torch.equal(x, before), "the graph's own logits are not modified"
+    want = torch.log_softmax(x[2].float(), dim=-1)
+    assert biased[2].logprob == pytest.approx(want[9].item(), abs=1e-6)
+    assert biased[2].top[0][0] == 9

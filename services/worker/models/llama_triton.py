@@ -136,7 +136,9 @@ def forward_triton(model: LlamaModel, input_ids: torch.Tensor, positions: torch.
     return x
 
 
-def compute_logits_triton(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+def compute_logits_triton(model: LlamaModel, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
     """model.compute_logits with the single-row case through the GEMV kernel (batch-1 decode
-    streams the 1 GB lm_head of Llama 3 every step)."""
-    return linear(hidden, model.lm_head).float()
+    streams the 1 GB lm_head of Llama 3 every step). `as_float` False: the logits stay in the
+    model's dtype (decode graphs: sampling.sample_async widens them only where it must)."""
+    logits = linear(hidden, model.lm_head)
+    return logits.float() if as_float else logits
