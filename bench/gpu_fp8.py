@@ -36,6 +36,7 @@ from services.common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.worker.kernels import fp8 as fp8_kernels  # noqa: E402
 from services.worker.kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from services.worker import attention as ref_attention  # noqa: E402
+from services.worker import gpu_exec  # noqa: E402
 from services.worker.kernels import attention as kernels_attention  # noqa: E402
 from services.worker.kernels import elementwise  # noqa: E402
 from services.worker.kernels import pdl  # noqa: E402
@@ -118,7 +119,8 @@ def main() -> int:
                         "(fused, the offline runs with the garbage collector's default first threshold, not "
                         "gc_heap.GEN0_THRESHOLD), whole (fused, the offline runs admitting whole prompts only), "
                         "heads_first / seqs_first (fused, the attention grid launched with a sequence's KV heads "
-                        "side by side or not: kernels/attention.GRID_HEADS_FIRST)")
+                        "side by side or not: kernels/attention.GRID_HEADS_FIRST), float_logits (fused, decode "
+                        "graphs widening their logits to float32 as before: gpu_exec.GRAPH_LOGITS_FLOAT)")
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated KV cache dtypes to run")
     p.add_argument("--compile-log", default="", help="write every Triton compile of the process (time, "
                                                     "kernel, specialisation) to this JSON file")
@@ -179,6 +181,7 @@ def main() -> int:
                 ref_attention.V_TRANSPOSE_FP8 = mode != "vrows"
                 kernels_attention.V_LOAD_2D = {"v2d": "always", "v3d": "never"}.get(mode, v2d_default)
                 kernels_attention.GRID_HEADS_FIRST = mode == "heads_first" or (hf_default and mode != "seqs_first")
+                gpu_exec.GRAPH_LOGITS_FLOAT = mode == "float_logits"
                 if mode in ("silu_whole", "silu_chunks"):
                     elementwise.SILU_FP8_CONFIG = (16384, 16) if mode == "silu_whole" else (2048, 8, 1)
                 runner = kv_runner(model, a.kv_gib, kv_dtype)
@@ -230,6 +233,7 @@ def main() -> int:
                 elementwise.SILU_FP8_CONFIG = silu_default
                 kernels_attention.V_LOAD_2D = v2d_default
                 kernels_attention.GRID_HEADS_FIRST = hf_default
+                gpu_exec.GRAPH_LOGITS_FLOAT = False
                 del runner
                 torch.cuda.empty_cache()
         del model

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 # Mixed steps attend in two launches (decodes, then prompt chunks: llama_triton.attend); False: one
 # prefill-shaped launch for all (bench/gpu_decode.mixed_parts times both in one run).
 SPLIT_MIXED = True
+# Decode graphs leave their logits in the model's dtype (sampling.sample_async widens them where a
+# row needs it); True: widened to float32 inside the graph, as before 2026-12-06 (bench/gpu_fp8.py's
+# float_logits mode).
+GRAPH_LOGITS_FLOAT = False
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -185,13 +189,13 @@ class GpuExecutor:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles the allocator
             for _ in range(2):
-                compute_logits_triton(self.model, self._forward(b, b), as_float=False)
+                compute_logits_triton(self.model, self._forward(b, b), as_float=GRAPH_LOGITS_FLOAT)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = compute_logits_triton(self.model, self._forward(b, b), as_float=False)
+            logits = compute_logits_triton(self.model, self._forward(b, b), as_float=GRAPH_LOGITS_FLOAT)
         self.graphs[b] = (graph, logits)
         log.debug("captured decode CUDA graph for batch %d", b)
         return graph, logits
