@@ -127,8 +127,8 @@ class GpuExecutor:
             sample_rows: list[int], src: list[int] | None = None,
             keep_hidden: bool = False, scratch: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One step -> (logits [len(sample_rows), V] of the rows that sample (None: none): float32,
-        or the model's dtype from a decode graph (widening 512 x 128k logits cost a bf16 step
-        ~0.1 ms; sampling.sample_async widens them where it must),
+        or the model's dtype from a decode graph (widening 256 x 128k logits in the graph cost an
+        H100 ~0.15 ms a step; sampling.sample_async widens them where it must),
         the final hidden states [T, H] of every row when `keep_hidden` (prompt logprobs read
         them; such a step runs eagerly), else None). Nothing waits for the device. `src` (one per
         token, -1: use ids) points tokens at the previous step's sampled ids in prev_tokens (see
